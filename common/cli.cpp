@@ -430,7 +430,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     return PrintedExit(app, errno);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
-                 WithNearestChoice(e.what()).c_str());
+                 ParseErrorMessage(app, e).c_str());
     return kExitUsage;
   }
   // Every tool: a progress interval that would print without pause, or never wait, is refused.

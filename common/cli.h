@@ -47,6 +47,13 @@ std::string NearestName(const std::string& name, const std::vector<std::string>&
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
 // ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
 std::string WithNearestChoice(const std::string& message);
+// Parse's message for a parse error `e` of `app`. Bare words that no flag took (a file or repo given
+// without its flag, as huggingface-cli download and most Unix tools take them) are named in the order
+// given, with the flag they were likely meant for: the one required flag missing, else an input flag
+// (--input, --inputs, --repo) not given ("in.jsonl was given without a flag; did you mean --input
+// in.jsonl?"). CLI11 said "The following arguments were not expected: b a" (in reverse order), or only
+// "--input is required". Any other error as WithNearestChoice says it.
+std::string ParseErrorMessage(const CLI::App& app, const CLI::ParseError& e);
 
 // Marks a list option as repeatable (argparse's action="append"): each occurrence adds to the list,
 // as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".

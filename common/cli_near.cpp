@@ -57,4 +57,57 @@ std::string WithNearestChoice(const std::string& message) {
   return best.empty() ? message : fmt::format("{}; did you mean {}?", message, best);
 }
 
+namespace {
+
+// The flag a bare word was most likely meant for: an input flag the tool has and was not given (a list
+// one for several words), else the one required option with a value not given; null when none is clear.
+const CLI::Option* FlagForBareWords(const CLI::App& app, size_t words) {
+  const CLI::Option* single = nullptr;
+  for (const char* name : {"input", "inputs", "repo"})
+    for (const CLI::Option* opt : app.get_options())
+      if (opt->check_lname(name)) {
+        if (opt->count() > 0) return nullptr;  // the input is given: the words are something else
+        if (words > 1 && opt->get_expected_max() > 1) return opt;
+        if (single == nullptr) single = opt;
+      }
+  if (single != nullptr) return single;
+  std::vector<const CLI::Option*> missing;
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->get_required() && opt->count() == 0 && opt->get_type_size() != 0 && !opt->get_lnames().empty())
+      missing.push_back(opt);
+  return missing.size() == 1 ? missing.front() : nullptr;
+}
+
+// "(ptk-merge takes every value after its flag)", or for a tool with bare arguments of its own
+// "(ptk-inspect's bare argument is its prefix; every other value goes after its flag)".
+std::string BareRule(const CLI::App& app, const std::string& tool) {
+  std::string names;
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->get_positional()) names += (names.empty() ? "" : ", ") + opt->get_name(true, false);
+  if (names.empty()) return fmt::format("({} takes every value after its flag)", tool);
+  return fmt::format("({}'s bare argument is its {}; every other value goes after its flag)", tool, names);
+}
+
+}  // namespace
+
+std::string ParseErrorMessage(const CLI::App& app, const CLI::ParseError& e) {
+  const bool extras = dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr;
+  const bool required = dynamic_cast<const CLI::RequiredError*>(&e) != nullptr;
+  const CLI::App* parsed = &app;  // the subcommand given, whose words and flags these are
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    if (sub->parsed()) parsed = sub;
+  const std::vector<std::string> bare = parsed->remaining();
+  if (!(extras || required) || bare.empty()) return WithNearestChoice(e.what());
+  std::string words;
+  for (const std::string& w : bare) words += (words.empty() ? "" : " ") + w;
+  const std::string tool = parsed == &app ? app.get_name() : app.get_name() + " " + parsed->get_name();
+  const CLI::Option* flag = FlagForBareWords(*parsed, bare.size());
+  const std::string given =
+      fmt::format("{} {} given without a flag {}", words, bare.size() > 1 ? "were" : "was", BareRule(*parsed, tool));
+  if (flag != nullptr && (flag->get_expected_max() > 1 || bare.size() == 1))
+    return fmt::format("{}{}; did you mean {} {}?", required ? std::string(e.what()) + ": " : "", given,
+                       flag->get_name(false, true), words);
+  return required ? fmt::format("{}; {}", e.what(), given) : given;
+}
+
 }  // namespace ptk::cli

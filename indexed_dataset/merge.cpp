@@ -18,6 +18,9 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/hash.h"
+#include "common/human_format.h"
+#include "common/logging.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "indexed_dataset/indexed_dataset.h"
 
@@ -200,7 +203,7 @@ absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
 }
 
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,
-                                         bool multimodal, const std::string& source) {
+                                         bool multimodal, const std::string& source, bool progress) {
   if (inputs.empty()) return absl::InvalidArgumentError("nothing to merge");
   for (const auto& in : inputs)
     if (in == output_prefix || SameFile(BinPath(in), BinPath(output_prefix)) ||
@@ -213,8 +216,27 @@ absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs,
   PTK_ASSIGN_OR_RETURN(auto builder, IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal));
   first.reset();
   builder->SetSource(source);
-  for (const auto& in : inputs) PTK_RETURN_IF_ERROR(builder->AddIndex(in));
+  // A merge of a pipeline's chunks copies hundreds of GB: it says how far it is (it was silent until done).
+  uint64_t bin_total = 0;
+  for (const auto& in : inputs)
+    if (auto size = FileSize(BinPath(in)); size.ok()) bin_total += *size;
+  ProgressReporter reporter({.label = "merge",
+                             .item_unit = "datasets",
+                             .items_total = inputs.size(),
+                             .bytes_total = bin_total,
+                             .enabled = progress});
+  for (const auto& in : inputs) {
+    const uint64_t before = builder->num_tokens();
+    PTK_RETURN_IF_ERROR(builder->AddIndex(in));
+    reporter.AddItems(1);
+    reporter.AddBytes((builder->num_tokens() - before) * DTypeSize(builder->dtype()));
+    reporter.Refresh();  // on a terminal the line says each dataset as it is done, not at the next redraw
+  }
+  reporter.Finish();
   MergeStats st{builder->num_documents(), builder->num_sequences(), builder->num_tokens(), builder->warnings()};
+  if (progress && reporter.bytes() >= (uint64_t{1} << 30))  // a pass that takes a while (a line at every size is noise)
+    log::Info("merge: {} datasets copied ({}) in {}; checksumming and syncing the output ...", inputs.size(),
+              HumanBytes(reporter.bytes()), HumanDuration(reporter.ElapsedSeconds()));
   PTK_RETURN_IF_ERROR(builder->Finalize());
   return st;
 }

@@ -38,8 +38,10 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& input_pr
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
 // input must share it). An input that is the output, however spelled (the same .bin or .idx file),
 // is an error naming both. `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
+// `progress`: a progress line (datasets and bytes copied, rate, ETA; ProgressReporter) while the inputs are
+// copied, and from 1 GiB a line before the output's one checksum pass over its .bin.
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,
                                          const std::string& output_prefix, bool multimodal = false,
-                                         const std::string& source = "");
+                                         const std::string& source = "", bool progress = false);
 
 }  // namespace ptk

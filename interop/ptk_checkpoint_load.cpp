@@ -1,10 +1,7 @@
 // LoadPtkCheckpoint (hf_gpt2.h): the latest checkpoint of a ptk-train --save directory, for the exports.
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -31,22 +28,11 @@ struct CheckpointHeader {
 };
 
 absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
-  {
-    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(file));  // a FIFO refused, not waited on
-    ::close(fd);
-  }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(file + ": cannot open");
-  char head[16];
+  // The trainer's reader: a file cut short says so, with its size and the one it needs, as ptk-train's load
+  // does (10 bytes of a checkpoint were "not a ptk checkpoint (bad magic)", 100 bytes "the header length runs
+  // past the end of the file").
+  PTK_ASSIGN_OR_RETURN(const std::string json, ReadCheckpointHeaderText(file));
   auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", file, why)); };
-  if (!in.read(head, 16) || std::memcmp(head, "PTKCKPT1", 8) != 0)
-    return bad(NotAPtkCheckpoint(std::string_view(head, static_cast<size_t>(in.gcount()))));
-  uint64_t len = 0;
-  std::memcpy(&len, head + 8, 8);
-  PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));
-  if (len > size - 16) return bad("the header length runs past the end of the file");
-  std::string json(len, '\0');
-  if (!in.read(json.data(), static_cast<std::streamsize>(len))) return bad("cannot read the header");
   simdjson::dom::parser parser;
   simdjson::dom::element h, m;
   if (parser.parse(json).get(h) || h["model"].get(m)) return bad("the header has no model description");

@@ -27,7 +27,7 @@
 #   TRAIN_PARTITION gpu   TRAIN_NODES 1   TRAIN_TASKS_PER_NODE 1 (ranks)   TRAIN_CPUS_PER_TASK = CPUS_PER_TASK
 #   TRAIN_GPUS_PER_NODE 0 (>0: --gpus-per-node; give TRAIN_TASKS_PER_NODE the same number: a rank per GPU)
 #   NUM_LAYERS 12  HIDDEN_SIZE 512  NUM_ATTENTION_HEADS 8  SEQ_LENGTH 1024 (the Azure tutorial's system
-#                         check; MAX_POSITION_EMBEDDINGS = SEQ_LENGTH); a flag in TRAIN_ARGS wins
+#                         check; MAX_POSITION_EMBEDDINGS = the run's sequence length); a flag in TRAIN_ARGS wins
 #   TRAIN_ITERS 100       TRAIN_ARGS (the other flags as for pretrain_gpt.py: batch, optimizer, schedule, ...)
 #   DATA_PATH / MOCK_DATA=1  train on these instead of the pipeline's chunks (train.sbatch alone)
 #   NCCL_ENV none         ib (Azure InfiniBand) or efa (AWS EFA): the tutorials' NCCL settings (train.sbatch)

@@ -84,7 +84,7 @@ fi
 # chunk is an error
 items=("${plan_chunks[@]}")
 ptk_has_valid && items+=("$VALID_DIR")
-n_ok=0; n_want=0; missing=()
+n_ok=0; n_want=0; missing=(); redo=()
 for chunk in "${items[@]}"; do
   n_want=$((n_want + 1))
   name=$(basename "$chunk" .jsonl)
@@ -94,11 +94,14 @@ for chunk in "${items[@]}"; do
      [ "$(cat "$PREPROCESSED_DIR/$name.ptk-tokenized")" = "$(ptk_source_id "$chunk")" ] &&
      "$PTK_BIN/ptk-inspect" "$PREPROCESSED_DIR/${name}_text_document" --verify >/dev/null 2>&1; then
     n_ok=$((n_ok + 1))
+  elif [ -f "$PREPROCESSED_DIR/${name}_text_document.idx" ]; then
+    redo+=("$name")  # there, but not this chunk's (made before it changed, or outside the pipeline) or damaged
   else
     missing+=("$name")
   fi
 done
-line tokenize "$n_ok of $n_want datasets complete$(ptk_has_valid && echo " (incl. $VALID_SUBDIR)")${missing:+ (missing: ${missing[*]:0:8})}"
+# A dataset that is there was listed as "missing" too: say which are absent and which are to be made again.
+line tokenize "$n_ok of $n_want datasets complete$(ptk_has_valid && echo " (incl. $VALID_SUBDIR)")${missing:+ (missing: ${missing[*]:0:8})}${redo:+ (there but not made from the current chunks, or damaged; tokenize redoes them: ${redo[*]:0:8})}"
 [ "$n_want" -gt 0 ] && [ "$n_ok" -eq "$n_want" ] || complete=0
 stray=$(comm -13 <(for c in "${items[@]}"; do echo "$PREPROCESSED_DIR/$(basename "$c" .jsonl)_text_document.idx"; done | LC_ALL=C sort) \
                  <(find "$PREPROCESSED_DIR" -maxdepth 1 -name '*_text_document.idx' -type f 2>/dev/null | LC_ALL=C sort))

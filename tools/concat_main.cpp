@@ -49,6 +49,13 @@ void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required, con
 }
 
 absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
+  // A chunk the plan does not have is the flag's error (exit 2), said once: it was exit 1 with the error, a
+  // "0 chunks built ... 1 failed" summary and "1 of 1 chunks failed".
+  if (a.chunk_index && static_cast<uint64_t>(*a.chunk_index) >= plan.chunks.size())
+    return ptk::UsageError(
+        fmt::format("--chunk-index {}: the plan {} has {} chunk(s){} (ptk-concat list --plan {} names them)",
+                    *a.chunk_index, a.plan_path, plan.chunks.size(),
+                    plan.chunks.empty() ? "" : fmt::format(", 0 to {}", plan.chunks.size() - 1), a.plan_path));
   ptk::ConcatRunOptions o;
   o.chunk_index = a.chunk_index;
   if (!a.chunk_index) {
@@ -90,7 +97,7 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
   size_t files = 0;
   for (const auto& c : plan.chunks) files += c.inputs.size();
   // --chunks 72 over 24 files makes 24 chunks (a chunk holds one file at least): array tasks past the
-  // last chunk build nothing, and `run --chunk-index 30` fails ("outside the plan's 24 chunks"), so the
+  // last chunk build nothing, and `run --chunk-index 30` is refused ("the plan ... has 24 chunk(s)"), so the
   // plan line says so.
   const bool fewer = r.plan.files_per_chunk == 0 && plan.chunks.size() < static_cast<size_t>(r.plan.chunks);
   ptk::log::Info("plan: {} files -> {} chunks in {}{}; written to {}", files, plan.chunks.size(), plan.output_dir,

@@ -21,12 +21,13 @@ int main(int argc, char** argv) {
                         "given order is kept.");
   std::string input_dir, output_prefix;
   std::vector<std::string> inputs;
-  bool multimodal = false, force = false;
+  bool multimodal = false, force = false, quiet = false;
   auto* in_opt =
       app->add_option("--input", input_dir, "Directory holding the PREFIX.bin/.idx pairs to merge (sorted order)");
   app->add_option("--inputs", inputs, "Prefixes to merge, in this order")->excludes(in_opt);
   app->add_option("--output-prefix", output_prefix, "Output path without .bin/.idx")->required();
   app->add_flag("--multimodal", multimodal, "The datasets carry a per-sequence modes array");
+  app->add_flag("--quiet", quiet, "No progress output");
   app->add_flag("--force", force,
                 "Merge again even when the output's .ptk-done sidecar records these inputs (same files, sizes and "
                 "times) and settings");
@@ -87,7 +88,7 @@ int main(int argc, char** argv) {
       ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", documents, tokens);
       return absl::OkStatus();
     }
-    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source));
+    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source, !quiet));
     for (const std::string& w : st.warnings) ptk::log::Warning("{}", w);
     ptk::log::Info("merged {} datasets into {}: {} documents, {} sequences, {} tokens", inputs.size(), output_prefix,
                    st.documents, st.sequences, st.tokens);

@@ -1,6 +1,7 @@
 // ptk-tokenize: a drop-in for Megatron-LM's tools/preprocess_data.py (GPT-2 BPE).
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@ struct TokenizeFlags {
   std::vector<std::string> inputs;
   std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap";
   std::string tokenizer_library = "megatron", files_filter;
+  std::optional<std::string> tokenizer_model;
   bool preproc_folder = false;
   ptk::CpuBudget cpus = ptk::ThisProcessCpuBudget();  // --workers' default
   int workers = cpus.cpus;
@@ -42,6 +44,11 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   // NeMo's preprocess_data_for_megatron.py flags.
   app.add_option("--tokenizer-library", f->tokenizer_library,
                  "NeMo: the tokenizer library; only megatron (GPT-2 BPE) is implemented");
+  // NeMo's launcher passes --tokenizer-model=None (its config's null) with the GPT-2 BPE tokenizer, which does
+  // not read it: refused as a SentencePiece model, the launcher's line failed.
+  app.add_option("--tokenizer-model", f->tokenizer_model,
+                 "NeMo: the tokenizer model; only None (no model, as NeMo's launcher passes it with GPT-2 BPE): "
+                 "SentencePiece/tiktoken models are not implemented");
   app.add_flag("--preproc-folder", f->preproc_folder,
                "NeMo: --input is a directory; its files matching --files-filter (default **/*.json*) are inputs");
   app.add_option("--files-filter", f->files_filter,
@@ -96,7 +103,6 @@ void RefuseUnimplemented(ptk::cli::Refusals& refused) {
   refused.Flag("--split-sentences", "NLTK sentence splitting is not implemented");
   refused.Flag("--keep-newlines", "it goes with --split-sentences (NLTK sentence splitting)");
   refused.Option("--lang", "it goes with --split-sentences (NLTK sentence splitting)");
-  refused.Option("--tokenizer-model", "SentencePiece/tiktoken models are not implemented (GPT-2 BPE only)");
   refused.Option("--vocab-size", "the vocab file defines the size");
   refused.Flag("--apply-ftfy", "ftfy is a Python library; run it over the jsonl first, or drop the flag");
   refused.Flag("--need-pad-id", "it adds a pad token to the vocab (GPT-2 has none)");
@@ -113,6 +119,11 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
   if (f.dataset_impl != "mmap")
     return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", f.dataset_impl));
   PTK_RETURN_IF_ERROR(refused.Check());
+  if (f.tokenizer_model && *f.tokenizer_model != "None")
+    return ptk::UsageError(fmt::format(
+        "--tokenizer-model {} is not supported: SentencePiece/tiktoken models are not implemented (GPT-2 BPE only, "
+        "which takes no model: drop the flag)",
+        *f.tokenizer_model));
   if (f.tokenizer_library != "megatron")
     return ptk::UsageError(fmt::format(
         "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",

@@ -80,6 +80,10 @@ constexpr CompatFlag kCompatFlags[] = {
      "megatron-core's GPT does not read it: the GELU MLP is the tanh GELU (the fused bias-GELU kernel's, as "
      "--openai-gelu's), or the exact one with --no-bias-gelu-fusion or --disable-bias-linear"},
     {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},
+    // The Neuron tutorial's pretrain_gpt.py line (its Megatron fork, seed-pipelines.md section 4): the local
+    // DDP's gradient buffer layout, memory only.
+    {"--no-contiguous-buffers-in-local-ddp", Arg::kNone,
+     "the gradients are reduced from ptk's own buffers (memory layout only)"},
     {"--apply-query-key-layer-scaling", Arg::kNone,
      "it only keeps fp16 attention scores from overflowing in Megatron's unfused softmax"},
 };
@@ -91,6 +95,7 @@ struct ModelRefusal {
   const char* name;
   bool takes_value;
   const char* why;
+  bool other_model = true;  // false: not a model flag (the line then says no more than `why`)
 };
 constexpr ModelRefusal kModelRefusals[] = {
     {"--apply-residual-connection-post-layernorm", false,
@@ -102,6 +107,24 @@ constexpr ModelRefusal kModelRefusals[] = {
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "
      "tiktoken model is not used"},
+    // Megatron's checkpoint contents: an unknown flag, with "did you mean --no-load-optim?" (the other end).
+    {"--no-save-optim", false,
+     "the optimizer state is always saved (a resume is bit for bit); drop the flag (--no-load-optim leaves it "
+     "out when loading)",
+     false},
+    {"--no-save-rng", false,
+     "the random state is always saved (a resume is bit for bit); drop the flag (--no-load-rng leaves it out when "
+     "loading)",
+     false},
+    // The Neuron tutorial's Megatron fork (torch-xla on Trainium): its serialized checkpoints.
+    {"--save-xser", true,
+     "Neuron's torch-xla serialized checkpoints are not written; give --save DIR (Megatron's checkpoint "
+     "layout, resumed with --load DIR)",
+     false},
+    {"--load-xser", true,
+     "Neuron's torch-xla serialized checkpoints are not read; give --load DIR of a checkpoint ptk-train saved "
+     "(ptk-convert --loader megatron imports Megatron's)",
+     false},
 };
 
 }  // namespace
@@ -135,18 +158,24 @@ void AddCompatFlags(CLI::App* app, TrainFlags* f) {
 }
 
 absl::Status RefuseOtherModel(const TrainFlags& f) {
-  // Another model than ptk's: every flag that asks for one, the first with its reason.
+  // Another model than ptk's (or a checkpoint format it does not have): every such flag given, the first
+  // with its reason.
   std::vector<std::pair<std::string, std::string>> other;
+  bool first_is_model = true;
   for (const ModelRefusal& r : kModelRefusals)
-    if (auto it = f.refused.find(r.name); it != f.refused.end())
+    if (auto it = f.refused.find(r.name); it != f.refused.end()) {
+      if (other.empty()) first_is_model = r.other_model;
       other.emplace_back(it->second.empty() ? it->first : it->first + " " + it->second, r.why);
+    }
   if (other.empty()) return absl::OkStatus();
   std::string also;
   for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
+  if (!also.empty()) also = "; also not implemented here: " + also;
+  if (!first_is_model) return UsageError(fmt::format("{}: {}{}", other[0].first, other[0].second, also));
   return UsageError(
       fmt::format("{}: {}. ptk-train trains Megatron's GPT-3-style GPT and the Llama line (RMSNorm, RoPE, SwiGLU, "
                   "grouped-query attention, no biases){}",
-                  other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
+                  other[0].first, other[0].second, also));
 }
 
 void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes) {

@@ -48,7 +48,8 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--recompute-activations", m.recompute_activations,
                 "Recompute attention probabilities in backward (selective)");
   app->add_option("--recompute-granularity", f->recompute_granularity,
-                  "selective (as --recompute-activations) or full");
+                  "selective (as --recompute-activations); full is taken as selective, with a note (the same "
+                  "results; memory only)");
   AddLlamaFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }
@@ -291,6 +292,15 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--distributed-backend", f->distributed_backend,
                   "nccl (one process per GPU) or gloo (CPU ranks; GPUs through host memory); default: nccl with "
                   "--device cuda, gloo on the CPU")
+      // The Neuron tutorial's xla (Trainium) was "xla not in {nccl,gloo}; did you mean gloo?": no CPU
+      // backend is what a Trainium user meant.
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            return v == "xla" ? "xla (AWS Neuron's torch-xla, Trainium) is not implemented: ptk trains on "
+                                "NVIDIA GPUs (--device cuda, nccl) or on CPUs (gloo)"
+                              : "";
+          },
+          "", "not xla"))
       ->check(CLI::IsMember({"nccl", "gloo"}));
   app->add_flag("--overlap-grad-reduce", o.optimizer.overlap_grad_reduce,
                 "Reduce the gradients in buckets while the last micro-batch's backward still runs (the same sums as "

@@ -39,9 +39,9 @@ struct TrainFlags {
   bool fp16 = false, bf16 = false;
   std::string device;  // "": cuda where the build has CUDA and a GPU is visible, else cpu
   // Megatron's loss scaling (fp16): --loss-scale fixes the scale; else dynamic from --initial-loss-scale.
-  std::optional<double> loss_scale;
-  double initial_loss_scale = 4294967296.0, min_loss_scale = 1.0, loss_scale_window = 1000;
-  int64_t hysteresis = 2;
+  // Unset: Megatron's defaults (2^32, 1, 1000, 2); given without --fp16, or beside --loss-scale, a note names them.
+  std::optional<double> loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window;
+  std::optional<int64_t> hysteresis;
   int64_t tensor_model_parallel_size = 1, pipeline_model_parallel_size = 1, context_parallel_size = 1;
   std::string cp_comm_type = "p2p";  // --cp-comm-type: p2p and allgather (the same attention on the CPU)
   int64_t threads = 0;               // ptk: CPU threads per rank (0: all cores of this rank's share)

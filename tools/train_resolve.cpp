@@ -10,6 +10,7 @@
 #include "common/cli.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/py_format.h"
 #include "common/status.h"
 #include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
@@ -208,6 +209,59 @@ absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
 }
 
 // Checkpoints' schedule, seed, device, precision, profiling, loss scaling, communicator, metrics.
+// Megatron's loss scaling, fp16's only. A flag of it that changes nothing says so: without --fp16 any of them
+// (only --loss-scale did; --initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis were
+// taken without a word), and beside --loss-scale's constant scale those of the dynamic scaling.
+void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes) {
+  std::string dynamic;  // the dynamic scaling's flags given
+  for (const auto& [name, given] : {std::pair{"--initial-loss-scale", f.initial_loss_scale.has_value()},
+                                    std::pair{"--min-loss-scale", f.min_loss_scale.has_value()},
+                                    std::pair{"--loss-scale-window", f.loss_scale_window.has_value()},
+                                    std::pair{"--hysteresis", f.hysteresis.has_value()}})
+    if (given) dynamic += (dynamic.empty() ? "" : ", ") + std::string(name);
+  if (!f.fp16) {
+    const std::string all = f.loss_scale ? "--loss-scale" + (dynamic.empty() ? "" : ", " + dynamic) : dynamic;
+    if (!all.empty()) notes->push_back(all + ": accepted, loss scaling applies to --fp16 only");
+    return;
+  }
+  LossScaleConfig& ls = out->loss_scale;
+  ls.dynamic = !f.loss_scale.has_value();
+  ls.scale = f.loss_scale.value_or(f.initial_loss_scale.value_or(4294967296.0));
+  ls.min_scale = f.min_loss_scale.value_or(1.0);
+  ls.window = static_cast<int64_t>(f.loss_scale_window.value_or(1000));
+  ls.hysteresis = f.hysteresis.value_or(2);
+  if (f.loss_scale && !dynamic.empty())
+    notes->push_back(
+        fmt::format("{}: accepted, --loss-scale {} is a constant scale: dynamic scaling's settings are "
+                    "not used (as in Megatron)",
+                    dynamic, py::FloatRepr(*f.loss_scale)));
+}
+
+// Flags whose work needs another flag that is not given: a note for each, as --save-interval without --save
+// has (they were taken without a word: --log-timers-to-tensorboard without --tensorboard-dir wrote nothing,
+// --no-load-optim without --load loaded nothing). Megatron takes them as silently.
+void NoteFlagsWithoutTheirTarget(const TrainFlags& f, const TrainOptions& o, std::vector<std::string>* notes) {
+  std::string tb;
+  for (const auto& [name, given] : {std::pair{"--tensorboard-log-interval", o.tensorboard.log_interval != 1},
+                                    std::pair{"--no-log-loss-scale-to-tensorboard", !o.tensorboard.log_loss_scale},
+                                    std::pair{"--log-validation-ppl-to-tensorboard", o.tensorboard.log_validation_ppl},
+                                    std::pair{"--log-world-size-to-tensorboard", o.tensorboard.log_world_size},
+                                    std::pair{"--log-timers-to-tensorboard", o.tensorboard.log_timers}})
+    if (given) tb += (tb.empty() ? "" : ", ") + std::string(name);
+  if (!tb.empty() && o.tensorboard.dir.empty())
+    notes->push_back(tb + " without --tensorboard-dir: nothing is written to TensorBoard (as in Megatron)");
+  std::string load;
+  for (const auto& [name, given] :
+       {std::pair{"--no-load-optim", o.no_load_optim}, std::pair{"--no-load-rng", o.no_load_rng},
+        std::pair{"--finetune", o.finetune}, std::pair{"--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint},
+        std::pair{"--ckpt-step", o.ckpt_step.has_value()},
+        std::pair{"--override-opt_param-scheduler", f.override_opt_param_scheduler},
+        std::pair{"--use-checkpoint-opt_param-scheduler", f.use_checkpoint_opt_param_scheduler}})
+    if (given) load += (load.empty() ? "" : ", ") + std::string(name);
+  if (!load.empty() && o.load.empty() && o.pretrained_checkpoint.empty())
+    notes->push_back(load + " without --load: nothing is loaded; the run starts from random initialization");
+}
+
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   TrainOptions& o = *out;
@@ -233,15 +287,8 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
     }
   } else if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
-  if (f.fp16) {
-    o.loss_scale.dynamic = !f.loss_scale.has_value();
-    o.loss_scale.scale = f.loss_scale.value_or(f.initial_loss_scale);
-    o.loss_scale.min_scale = f.min_loss_scale;
-    o.loss_scale.window = static_cast<int64_t>(f.loss_scale_window);
-    o.loss_scale.hysteresis = f.hysteresis;
-  } else if (f.loss_scale) {
-    notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
-  }
+  ResolveLossScale(f, &o, notes);
+  NoteFlagsWithoutTheirTarget(f, o, notes);
   o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
                           : o.backend.device == Device::kCuda ? "nccl"
                                                               : "gloo";

@@ -3,6 +3,8 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
+
 #include <fmt/core.h>
 
 #include "absl/strings/ascii.h"
@@ -372,9 +374,16 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
       log::Warning("{} has {} free but {} are still to download", opt.local_dir, HumanBytes(free_bytes),
                    HumanBytes(todo.bytes));
   }
+  // A --url-list without size= gives no size: "(0 B)" said the files were empty.
+  const size_t unknown =
+      static_cast<size_t>(std::count_if(mine.begin(), mine.end(), [](const RemoteFile& f) { return !f.size_known; }));
+  const std::string bytes =
+      unknown == 0 ? HumanBytes(static_cast<double>(todo.total_bytes))
+      : unknown == mine.size()
+          ? std::string("sizes not listed")
+          : fmt::format("{}, and {} of a size not listed", HumanBytes(static_cast<double>(todo.total_bytes)), unknown);
   log::Info("shard {}/{}: {} of {} files ({}), {} already present and verified, {} to download", opt.shard.index,
-            opt.shard.count, mine.size(), files.size(), HumanBytes(static_cast<double>(todo.total_bytes)),
-            sum.already_present, todo.files.size());
+            opt.shard.count, mine.size(), files.size(), bytes, sum.already_present, todo.files.size());
 
   FetchFiles(opt, s, todo, log_file, &sum);
   sum.resolves = s.resolves;

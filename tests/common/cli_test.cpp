@@ -168,6 +168,49 @@ TEST(CliParse, AChoiceNearAnotherSuggestsIt) {
   EXPECT_NE(far.err.find("usage error: --format: json not in {ids,text,both}\n"), std::string::npos) << far.err;
 }
 
+// Regression: bare words no flag takes (a file or a repo id given as huggingface-cli download and most Unix
+// tools take them) were "The following arguments were not expected: b a" (reversed, nothing to do), or only
+// "--input is required" when the input itself was the bare word. They are named in order, with the flag meant.
+TEST(CliParse, BareWordsAreNamedInOrderWithTheFlagMeant) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  Parsed two = ParseCapturingStderr(*app, {"a.jsonl", "--verify", "b.jsonl"});
+  EXPECT_EQ(two.rc, cli::kExitUsage);
+  EXPECT_NE(two.err.find("usage error: a.jsonl b.jsonl were given without a flag (ptk-x takes every value after its "
+                         "flag); did you mean --input a.jsonl b.jsonl?\n"),
+            std::string::npos)
+      << two.err;
+  // The input given, a stray word is only named.
+  Flags g;
+  auto app2 = MakeTestApp(g);
+  Parsed stray = ParseCapturingStderr(*app2, {"--input", "a.jsonl", "--verify", "extra"});
+  EXPECT_EQ(stray.rc, cli::kExitUsage);
+  EXPECT_NE(stray.err.find("usage error: extra was given without a flag (ptk-x takes every value after its flag)\n"),
+            std::string::npos)
+      << stray.err;
+  // A required flag missing: named first, then the word, with the one flag it can be.
+  std::string repo, dir;
+  auto app3 = cli::MakeApp("ptk-x", "test");
+  app3->add_option("--repo", repo, "the repo");
+  app3->add_option("--local-dir", dir, "where")->required();
+  Parsed req = ParseCapturingStderr(*app3, {"org/name"});
+  EXPECT_EQ(req.rc, cli::kExitUsage);
+  EXPECT_NE(req.err.find("usage error: --local-dir is required: org/name was given without a flag (ptk-x takes every "
+                         "value after its flag); did you mean --repo org/name?\n"),
+            std::string::npos)
+      << req.err;
+  // A tool with a bare argument of its own says which it is.
+  std::string prefix;
+  auto app4 = cli::MakeApp("ptk-x", "test");
+  app4->add_option("prefix", prefix, "the dataset");
+  Parsed pos = ParseCapturingStderr(*app4, {"a", "b"});
+  EXPECT_EQ(pos.rc, cli::kExitUsage);
+  EXPECT_NE(pos.err.find("usage error: b was given without a flag (ptk-x's bare argument is its prefix; every other "
+                         "value goes after its flag)\n"),
+            std::string::npos)
+      << pos.err;
+}
+
 TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   Flags f;
   auto app = MakeTestApp(f);

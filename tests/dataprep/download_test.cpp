@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "common/hash.h"
+#include "common/human_format.h"
 #include "dataprep/download/download.h"
 #include "dataprep/download/download_internal.h"
 #include "dataprep/download/http.h"
@@ -677,6 +678,8 @@ TEST(Download, UrlListVerifiesSha256) {
                                 kToken, testing::Tool("ptk-download"), dir / "list.txt", hub.hub(), dir / "o"));
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("sha256"), std::string::npos) << bad.output;
+  // Regression: a list without size= said "1 of 1 files (0 B)", as if the file were empty.
+  EXPECT_NE(bad.output.find("shard 0/1: 1 of 1 files (sizes not listed), "), std::string::npos) << bad.output;
   EXPECT_FALSE(testing::Exists(dir / "o/wrong.md"));
   std::string sha = Sha256Hex(good);
   testing::WriteFile(dir / "list2.txt",
@@ -685,6 +688,9 @@ TEST(Download, UrlListVerifiesSha256) {
   auto ok = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {}", kToken,
                                testing::Tool("ptk-download"), dir / "list2.txt", hub.hub(), dir / "o"));
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find(fmt::format("shard 0/1: 1 of 1 files ({}), ", HumanBytes(static_cast<double>(good.size())))),
+            std::string::npos)
+      << ok.output;
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
   // Regression: a digest in upper case (PowerShell's Get-FileHash, certutil) was taken as 64 hex digits,
   // then compared with the lower-case one computed: 'sha256 still mismatches after 3 downloads', exit 1.

@@ -945,7 +945,7 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   EXPECT_NE(plan.output.find("plan: 12 files -> 4 chunks in "), std::string::npos) << plan.output;
   EXPECT_EQ(plan.output.find("not --chunks"), std::string::npos) << plan.output;
   // More chunks asked than there are files (the default 72 over a small set): one file a chunk, and the
-  // plan line says so (`run --chunk-index` past the last chunk fails; array tasks past it build nothing).
+  // plan line says so (`run --chunk-index` past the last chunk is a usage error; array tasks past it build nothing).
   auto few = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 72", testing::Tool("ptk-concat"),
                                 dir / "in", dir / "few"));
   ASSERT_EQ(few.exit_code, 0) << few.output;
@@ -959,6 +959,16 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("1 chunks built"), std::string::npos) << r.output;
   }
+  // Regression: a chunk the plan does not have was exit 1 in three lines (the error, "0 chunks built, ... 1
+  // failed", "1 of 1 chunks failed"); it is the flag's usage error, one line naming the plan's range.
+  auto past = RunCmd(fmt::format("{} run --quiet --plan {} --chunk-index 4", testing::Tool("ptk-concat"),
+                                 dir / "out/concat-plan.json"));
+  EXPECT_EQ(past.exit_code, 2) << past.output;
+  EXPECT_NE(past.output.find("usage error: --chunk-index 4: the plan " + (dir / "out/concat-plan.json") +
+                             " has 4 chunk(s), 0 to 3 (ptk-concat list --plan "),
+            std::string::npos)
+      << past.output;
+  EXPECT_EQ(past.output.find("chunks built"), std::string::npos) << past.output;
   std::string joined, want;
   for (int k = 0; k < 4; ++k) joined += testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k));
   for (int i = 0; i < 12; ++i) want += Jsonl(100, 200 + i);

@@ -372,6 +372,22 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
       RunCmd(Tok(fmt::format("--input={} --output-prefix={} --json-keys=text --append", dir / "in.jsonl", dir / "e")));
   ASSERT_EQ(eq.exit_code, 0) << eq.output;
   EXPECT_EQ(testing::ReadFile(dir / "e_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
+  // Regression: NeMo's launcher (the Azure tutorial's preprocess stage, seed-pipelines.md 2.6) forwards
+  // --tokenizer-model=None with its GPT-2 BPE tokenizer, which reads no model; it was refused as a SentencePiece
+  // model. Its line (less --apply-ftfy, refused with the reason) runs, and a real model is still refused.
+  auto nemo =
+      RunCmd(Tok(fmt::format("--input={} --output-prefix={} --dataset-impl=mmap --tokenizer-library=megatron "
+                             "--tokenizer-type=GPT2BPETokenizer --vocab={} --merge-file={} --append-eod "
+                             "--tokenizer-model=None --log-interval=2000 --workers=1",
+                             dir / "in.jsonl", dir / "nemo", vocab, merges)));
+  ASSERT_EQ(nemo.exit_code, 0) << nemo.output;
+  EXPECT_EQ(testing::ReadFile(dir / "nemo_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
+  auto model =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --tokenizer-model m.model", dir / "in.jsonl", dir / "m")));
+  EXPECT_EQ(model.exit_code, 2) << model.output;
+  EXPECT_NE(model.output.find("--tokenizer-model m.model is not supported: SentencePiece/tiktoken models"),
+            std::string::npos)
+      << model.output;
   auto typo = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --apend-eod", dir / "in.jsonl", dir / "t")));
   EXPECT_EQ(typo.exit_code, 2);
   EXPECT_NE(typo.output.find("unknown flag --apend-eod; did you mean --append-eod?"), std::string::npos) << typo.output;

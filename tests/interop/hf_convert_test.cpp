@@ -912,6 +912,27 @@ TEST_F(HfConvert, ATrackerNamingAMissingIterationSaysSo) {
   EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
 }
 
+// Regression: a checkpoint file cut short in its first bytes was "not a ptk checkpoint (bad magic)" (10 bytes
+// of one) or "the header length runs past the end of the file" (100 bytes); it says so, with its size and
+// the one it needs, as ptk-train's load says it.
+TEST_F(HfConvert, ACheckpointCutShortInItsHeaderSaysSo) {
+  Save(false, dir_ / "ck");
+  const std::string file = CheckpointFile(dir_ / "ck", 7);
+  const std::string whole = ReadFile(file);
+  for (const auto& [keep, says] : std::vector<std::pair<size_t, std::string>>{
+           {10, "cut short: 10 bytes, fewer than the 16 that open every checkpoint"},
+           {100, "cut short: 100 bytes, fewer than its "}}) {
+    WriteFile(file, whole.substr(0, keep));
+    for (const char* saver : {"hf", "megatron"}) {
+      auto r = RunConvert(Opts("ptk", saver, dir_ / "ck", dir_ / "out"));
+      ASSERT_FALSE(r.ok()) << saver;
+      EXPECT_TRUE(absl::IsDataLoss(r.status())) << r.status();
+      EXPECT_NE(r.status().message().find(file + ": corrupt checkpoint: " + says), std::string::npos) << r.status();
+    }
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
+}
+
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow
 // model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
 // and leaves no partial export, and over an earlier export leaves that one whole.

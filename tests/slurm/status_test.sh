@@ -35,6 +35,10 @@ echo "$st"
 [ "$rc" = 1 ] || fail "status exit $rc, want 1"
 echo "$st" | grep -q "concat       2 of 2 chunks built" || fail "concat line"
 echo "$st" | grep -q "tokenize     0 of 2 datasets complete" || fail "stale datasets counted as complete"
+# Regression: they were listed as "missing" though there; they are named as datasets to be made again.
+echo "$st" | grep -q "tokenize .*(there but not made from the current chunks, or damaged; tokenize redoes them: train_00 train_01)" ||
+  fail "stale datasets not named as such: $st"
+echo "$st" | grep -q "missing:" && fail "stale datasets called missing: $st"
 echo "$st" | grep -q "error: 2 datasets of no chunk in the plan" || fail "stray datasets not reported"
 echo stray > "$D/chunks/train_09.jsonl"
 st=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/status.sh" 2>&1 || true)

@@ -298,6 +298,8 @@ TEST_F(MegatronFlags, HelpShowsRequiredFlagsWithoutAFakeDefault) {
     EXPECT_EQ(m.str().find("]=0"), std::string::npos) << m.str();
   }
   EXPECT_NE(r.output.find("--micro-batch-size INT:an integer in [1, 2147483647]=1"), std::string::npos) << r.output;
+  // Regression: "selective (as --recompute-activations) or full", while full runs as selective (its note says so).
+  EXPECT_NE(r.output.find("full is taken as selective, with a note"), std::string::npos) << r.output;
 }
 
 // A resume that names the same dataset by a relative path from another working directory (a Slurm
@@ -352,7 +354,7 @@ TEST_F(MegatronFlags, StartUpStagesArePrintedWithTheirTimes) {
 }
 
 // The flags of Megatron's own examples/gpt3/train_gpt3_175b_distributed.sh and of the tutorials'
-// pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's), each added to
+// pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's, Neuron's), each added to
 // a tiny run of its own: taken, taken with a note, or refused with the reason (never "unknown
 // flag"). The model's sizes are the tests' tiny ones; every other value is the script's.
 TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
@@ -380,6 +382,11 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--train-iters 2", kTaken, ""},
       {"--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0", kTaken, ""},
       {"--fp16", kRefused, "--fp16: the CPU backend trains in fp32"},
+      // Megatron's dynamic loss scaling flags without --fp16 were taken without a word (only --loss-scale was noted).
+      {"--loss-scale 1024 --initial-loss-scale 65536 --hysteresis 3", kNoted,
+       "--loss-scale, --initial-loss-scale, --hysteresis: accepted, loss scaling applies to --fp16 only"},
+      {"--min-loss-scale 2 --loss-scale-window 500", kNoted,
+       "--min-loss-scale, --loss-scale-window: accepted, loss scaling applies to --fp16 only"},
       {"--lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000", kTaken,
        ""},
       // MODEL_PARALLEL_ARGS
@@ -393,6 +400,12 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--log-interval 100 --eval-interval 1000 --save " + ckpt + " --load " + ckpt + " --tensorboard-dir " + tb,
        kTaken, ""},
       {"--save-interval 10000", kNoted, "--save-interval 10000 without --save: nothing is saved"},
+      // Likewise for TensorBoard's and --load's flags (were taken without a word).
+      {"--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard", kNoted,
+       "--log-validation-ppl-to-tensorboard, --log-timers-to-tensorboard without --tensorboard-dir: nothing is "
+       "written to TensorBoard"},
+      {"--no-load-optim --no-load-rng --exit-on-missing-checkpoint", kNoted,
+       "--no-load-optim, --no-load-rng, --exit-on-missing-checkpoint without --load: nothing is loaded"},
       {"--eval-iters 10", kTaken, ""},  // (with 949,50,1 the tiny data's test split is empty: refused)
       // The Azure tutorial's (seed-pipelines.md)
       {"--sequence-parallel", kNoted, "--sequence-parallel: accepted"},
@@ -407,6 +420,31 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // The AWS tutorial's (sample-based; --fp16 as above)
       {"--train-samples 8 --lr-decay-samples 8 --lr-warmup-samples 2", kTaken, "", false, true},
       {"--recompute-activations --log-interval 1 --eval-iters 40 --eval-interval 1000 --split 98,2,0", kTaken, ""},
+      // The Neuron tutorial's (seed-pipelines.md section 4, its examples/pretrain_gpt3_6.7B_32layers_bf16.sh;
+      // --tensor-model-parallel-size 8 as above): --distributed-backend xla was refused suggesting gloo, and
+      // --no-contiguous-buffers-in-local-ddp and --save-xser were unknown flags.
+      {"--lr-decay-iters 320000 --vocab-file " + vocab + " --merge-file " + merges +
+           " --lr 0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1"
+           " --lr-warmup-fraction .01 --log-interval 1 --tensorboard-log-interval 1 --attention-dropout 0"
+           " --hidden-dropout 0",
+       kTaken, ""},
+      {"--data-impl mmap", kNoted, "--data-impl mmap: accepted"},
+      {"--split 100,0,0 --eval-interval 2 --eval-iters 1000", kRefused,
+       "--eval-iters 1000: the run has no validation data (--split 100,0,0 gives it no part)"},
+      {"--distributed-backend xla", kRefused, "xla (AWS Neuron's torch-xla, Trainium) is not implemented"},
+      {"--no-masked-softmax-fusion --no-bias-dropout-fusion --no-async-tensor-model-parallel-allreduce", kNoted,
+       "--no-masked-softmax-fusion: accepted"},
+      {"--no-contiguous-buffers-in-local-ddp", kNoted,
+       "--no-contiguous-buffers-in-local-ddp: accepted, the gradients are reduced from ptk's own buffers"},
+      {"--save-xser " + ckpt + " --save-interval 2000", kRefused,
+       "--save-xser " + (dir_ / "ckpt") +
+           ": Neuron's torch-xla serialized checkpoints are not written; give --save DIR"},
+      {"--load-xser " + ckpt, kRefused, "Neuron's torch-xla serialized checkpoints are not read"},
+      {"--use-cpu-initialization", kNoted, "--use-cpu-initialization: accepted"},
+      // Megatron's checkpoint-content flags were unknown, suggesting the opposite end ("did you mean
+      // --no-load-optim?").
+      {"--no-save-optim", kRefused, "--no-save-optim: the optimizer state is always saved"},
+      {"--no-save-rng", kRefused, "--no-save-rng: the random state is always saved"},
       // Megatron's examples/llama scripts' speed, memory and logging flags (were unknown flags).
       {"--no-create-attention-mask-in-dataloader --no-mmap-bin-files --no-bias-swiglu-fusion --manual-gc "
        "--manual-gc-interval 100 --num-dataset-builder-threads 2 --log-progress",
