@@ -306,7 +306,12 @@ void RendezvousStore::MarkFinished() {
 
 std::string RendezvousStore::PollExitedRank() {
   std::string text;
-  if (!Request(kPeers, "", nullptr, &text).ok()) return "";
+  if (const absl::Status asked = Request(kPeers, "", nullptr, &text); !asked.ok()) {
+    // This rank's connection to rank 0's store closed: rank 0 is gone (a rank 0 that hangs keeps it open).
+    if (rank_ != 0 && absl::IsUnavailable(asked))
+      return "rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)";
+    return "";
+  }
   for (const PeerLine& p : PeerLines(text))
     if (p.state == "left")
       return fmt::format(

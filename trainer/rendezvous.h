@@ -82,8 +82,9 @@ class RendezvousStore {
   void MarkFinished();
   // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
   // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
-  // had neither finished (MarkFinished) nor reported a failure; "" when none did, or rank 0 does not
-  // answer. For a rank busy with its own work (LocalPhaseWatch). Never fails.
+  // had neither finished (MarkFinished) nor reported a failure; "rank 0 (which serves the rendezvous)
+  // exited (...)" when this rank's own connection to it closed; "" when none did, or rank 0 does not
+  // answer in time. For a rank busy with its own work (LocalPhaseWatch). Never fails.
   std::string PollExitedRank();
 
   absl::Status Set(const std::string& key, const std::string& value);
