@@ -97,8 +97,9 @@ int Dial(const std::string& host, int port, std::string* last, absl::Status* bad
 }
 
 // Who holds `port` on this host, which this rank 0 could not bind: another ptk rank 0 (its Info), or
-// something else.
-std::string PortHolder(int port) {
+// something else (*ptk false).
+std::string PortHolder(int port, bool* ptk) {
+  *ptk = false;
   std::string last;
   absl::Status bad;
   const int fd = Dial("127.0.0.1", port, &last, &bad);
@@ -109,10 +110,11 @@ std::string PortHolder(int port) {
   ServerInfo info;
   const bool answered = SendAll(fd, &op, 1) && SendBlob(fd, "") && RecvBlob(fd, &text);
   ::close(fd);
-  if (answered && ParseServerInfo(text, &info))
-    return fmt::format("another ptk rank 0 (host {}, pid {}; {})", info.host, info.pid,
-                       JobWords(info.world_size, info.run_id));
-  return "a program that is not a ptk rendezvous (it did not answer ptk's question)";
+  if (!answered || !ParseServerInfo(text, &info))
+    return "a program that is not a ptk rendezvous (it did not answer ptk's question)";
+  *ptk = true;
+  return fmt::format("another ptk rank 0 (host {}, pid {}; {})", info.host, info.pid,
+                     JobWords(info.world_size, info.run_id));
 }
 
 }  // namespace
@@ -131,10 +133,12 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
     s->server_ = std::make_unique<RendezvousServer>();
     if (absl::Status started = s->server_->Start(port, world_size, run_id); !started.ok()) {
       if (s->server_->bind_errno() != EADDRINUSE) return started;
-      return absl::FailedPreconditionError(fmt::format(
-          "rank 0: MASTER_PORT {} on this host is held by {}, this job being {}: give each job a MASTER_PORT of its "
-          "own",
-          port, PortHolder(port), JobWords(world_size, run_id)));
+      bool ptk = false;
+      const std::string holder = PortHolder(port, &ptk);
+      return absl::FailedPreconditionError(
+          fmt::format("rank 0: MASTER_PORT {} on this host is held by {}, this job being {}: {}", port, holder,
+                      JobWords(world_size, run_id),
+                      ptk ? "give each job a MASTER_PORT of its own" : "give this job a free MASTER_PORT"));
     }
     port = s->server_->port();  // port 0 (one rank alone): the free one it got
   }

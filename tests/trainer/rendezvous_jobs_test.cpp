@@ -166,7 +166,8 @@ TEST(RendezvousJobs, APortHeldByAnotherProgramIsNamedAtOnce) {
     const std::string rank0 = Refused(0, 2, port, "PTK_RUN_ID=b");
     EXPECT_NE(rank0.find("rank 0: MASTER_PORT " + std::to_string(port) +
                          " on this host is held by a program that is "
-                         "not a ptk rendezvous"),
+                         "not a ptk rendezvous (it did not answer ptk's question), this job being WORLD_SIZE 2, run id "
+                         "PTK_RUN_ID=b: give this job a free MASTER_PORT"),
               std::string::npos)
         << rank0;
     const std::string rank1 = Refused(1, 2, port, "PTK_RUN_ID=b", c.timeout);
