@@ -58,8 +58,8 @@ class TwoJobsCli : public ::testing::Test {
   }
   // Bash: wait (at most a minute) until `job`'s rank 0 logged `text`.
   std::string Until(const std::string& job, const std::string& text) const {
-    return "for i in $(seq 1200); do grep -q " + ShellQuote(text) + " " + ShellQuote(Log(job + "0")) +
-           " && break; sleep 0.05; done; ";
+    return "for i in $(seq 3000); do grep -q " + ShellQuote(text) + " " + ShellQuote(Log(job + "0")) +
+           " && break; sleep 0.02; done; ";
   }
   // Bash: wait (at most a minute) until something listens on `port`.
   static std::string UntilListening(int port) {
@@ -118,15 +118,16 @@ class TwoJobsCli : public ::testing::Test {
 };
 
 // The same script started again while the first job runs (no run id: ranks started by hand). Job A's
-// rank 1 is stopped (SIGSTOP) once A trains, so that A surely holds the port and its rank 1 while B
-// starts; B's rank 0 names the ptk rank 0 holding the port, B's rank 1 the rank 1 connected already;
-// both exit 1 at once. A, let go, ends as a run alone does; then B, started again on the port A freed,
-// runs as a run alone does. Before, B's rank 1 waited for the whole rendezvous timeout.
+// rank 1 is stopped (SIGSTOP) once A's ranks met (rank 0's "rendezvous at" line, before its start-up
+// and 30 iterations), so that A surely holds the port and its rank 1 while B starts; B's rank 0 names the ptk rank 0
+// holding the port, B's rank 1 the rank 1 connected already; both exit 1 at once. A, let go, ends as a run alone does;
+// then B, started again on the port A freed, runs as a run alone does. Before, B's rank 1 waited for the whole
+// rendezvous timeout.
 TEST_F(TwoJobsCli, AJobStartedWhileAnotherRunsStopsAtOnceTheFirstUndisturbed) {
   const auto alone = Alone();
   ASSERT_EQ(alone.size(), 30u);
   const int port = testing::FreeTestPort();
-  const Run r = Script(Start("a", 1, port, "") + Start("a", 0, port, "") + Until("a", " iteration ") +
+  const Run r = Script(Start("a", 1, port, "") + Start("a", 0, port, "") + Until("a", "rendezvous at 127.0.0.1") +
                        "pa1=$(pgrep -P $ta1); kill -STOP $pa1 && echo a1-stopped; " + Start("b", 0, port, "") +
                        Start("b", 1, port, "") + Wait("b", 0) + Wait("b", 1) + "kill -CONT $pa1; " + Wait("a", 0) +
                        Wait("a", 1) + Start("c", 0, port, "") + Start("c", 1, port, "") + Wait("c", 0) + Wait("c", 1));
