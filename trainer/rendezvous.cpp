@@ -108,10 +108,15 @@ std::string PortHolder(int port, bool* ptk) {
   const uint8_t op = static_cast<uint8_t>(kInfo);
   std::string text;
   ServerInfo info;
+  errno = 0;
   const bool answered = SendAll(fd, &op, 1) && SendBlob(fd, "") && RecvBlob(fd, &text);
+  const bool silent = !answered && (errno == EAGAIN || errno == EWOULDBLOCK);
   ::close(fd);
+  if (silent)
+    return "a program that did not answer ptk's question within 2 s (not a ptk rendezvous, or a ptk rank 0 that "
+           "hangs)";
   if (!answered || !ParseServerInfo(text, &info))
-    return "a program that is not a ptk rendezvous (it did not answer ptk's question)";
+    return "a program that is not a ptk rendezvous (it did not answer ptk's question as ptk does)";
   *ptk = true;
   return fmt::format("another ptk rank 0 (host {}, pid {}; {})", info.host, info.pid,
                      JobWords(info.world_size, info.run_id));

@@ -218,11 +218,11 @@ TEST_F(TwoJobsCli, APortHeldByAProgramThatIsNotPtkStopsTheJobNamingIt) {
   const std::string p = std::to_string(port);
   EXPECT_EQ(r.Rc("s0"), 1) << logs;
   EXPECT_EQ(r.Rc("s1"), 1) << logs;
-  EXPECT_TRUE(SaysOnce(Read("s0"),
-                       "rank 0: MASTER_PORT " + p +
-                           " on this host is held by a program that is not a ptk rendezvous (it did not answer ptk's "
-                           "question), this job being WORLD_SIZE 2, no run id: give this job a free "
-                           "MASTER_PORT"))
+  EXPECT_TRUE(
+      SaysOnce(Read("s0"), "rank 0: MASTER_PORT " + p +
+                               " on this host is held by a program that did not answer ptk's question within 2 s (not "
+                               "a ptk rendezvous, or a ptk rank 0 that hangs), this job being WORLD_SIZE 2, no run id: "
+                               "give this job a free MASTER_PORT"))
       << logs;
   EXPECT_TRUE(SaysOnce(Read("s1"), "rendezvous: what listens at 127.0.0.1:" + p +
                                        " did not answer ptk's hello within 10 s: not a ptk rank 0 (or one that hangs)"))
