@@ -206,6 +206,39 @@ TrainingThreadsChoice DefaultTrainingThreads(const CpuBudget& budget, int machin
                                     pool_text, sharing));
 }
 
+std::string EnvOf(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
+
+// TrainingRanks::run_id: the launcher's identity of this launch, as its variables give it.
+std::string RunIdFromEnv(const TrainingRanks& t) {
+  if (!EnvOf("PTK_RUN_ID").empty()) return "PTK_RUN_ID=" + EnvOf("PTK_RUN_ID");
+  if (t.source == "torchrun variables") {
+    // --rdzv-id (--standalone makes one); its default is "none". Not with TORCHELASTIC_RESTART_COUNT,
+    // which an agent moves alone when the others restart for a node that came or went.
+    const std::string id = EnvOf("TORCHELASTIC_RUN_ID");
+    if (!id.empty() && id != "none") return "TORCHELASTIC_RUN_ID=" + id;
+    // One agent on one node (every rank local): its log directory of this attempt, made fresh by each
+    // launch (<log dir>/<run id>_<random>/attempt_<n>/<local rank>/error.json).
+    const std::string error_file = EnvOf("TORCHELASTIC_ERROR_FILE");
+    auto slash_before = [&](size_t end) {
+      return end == std::string::npos || end == 0 ? std::string::npos : error_file.rfind('/', end - 1);
+    };
+    const size_t rank_dir = slash_before(slash_before(error_file.size()));
+    const size_t attempt = slash_before(rank_dir);
+    if (t.ranks_on_node == t.world_size && attempt != std::string::npos &&
+        error_file.compare(attempt + 1, 8, "attempt_") == 0)
+      return "torchrun's log directory " + error_file.substr(0, rank_dir);
+  }
+  if (EnvOf("SLURM_JOB_ID").empty()) return "";
+  // srun's ranks are one step's; ranks started otherwise inside a job may come from several steps.
+  std::string id = "SLURM_JOB_ID=" + EnvOf("SLURM_JOB_ID");
+  if (t.source == "srun" && !EnvOf("SLURM_STEP_ID").empty()) id += " SLURM_STEP_ID=" + EnvOf("SLURM_STEP_ID");
+  if (!EnvOf("SLURM_RESTART_COUNT").empty()) id += " SLURM_RESTART_COUNT=" + EnvOf("SLURM_RESTART_COUNT");
+  return id;
+}
+
 }  // namespace
 
 TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, const CpuBudget& budget, int machine_cpus,
@@ -303,6 +336,7 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
   if (t.source == "torchrun variables" && env("TORCHELASTIC_USE_AGENT_STORE") == "True")
     t.master_port = t.master_port < 65535 ? t.master_port + 1 : t.master_port - 1;
   PTK_RETURN_IF_ERROR(ReadRanksOnNode(&t));
+  t.run_id = RunIdFromEnv(t);
   return t;
 }
 

@@ -41,6 +41,15 @@ struct TrainingRanks {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "single process";  // "torchrun variables", "srun", "single process"
+  // This launch's identity, the same on every rank of the launch and another for any other launch,
+  // which rank 0's rendezvous compares (two jobs on one MASTER_ADDR:MASTER_PORT never meet):
+  // "PTK_RUN_ID=<value>" when set (any text: a Kubernetes Job's uid, `uuidgen` in a script); else under
+  // torchrun's variables "TORCHELASTIC_RUN_ID=<id>" (--rdzv-id, or --standalone's), or with its default
+  // id ("none") and every rank on this node (LOCAL_WORLD_SIZE = WORLD_SIZE) "torchrun's log directory
+  // <dir>/attempt_<n>" (its agent's, fresh for each launch, from TORCHELASTIC_ERROR_FILE); else in a
+  // Slurm job "SLURM_JOB_ID=<id>" with, under srun, " SLURM_STEP_ID=<step>", and " SLURM_RESTART_COUNT=<n>"
+  // when set; else "" (nothing tells launches apart: ranks started by hand).
+  std::string run_id;
 };
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv();
 

@@ -171,6 +171,7 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
   d.local_rank = ranks.local_rank;
   d.master_addr = ranks.master_addr;
   d.master_port = ranks.master_port;
+  d.run_id = ranks.run_id;
   if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
   d.timeout = timeout;
   // NCCL's watchdog aborted a collective and this process did not come back from the GPU: end it,
@@ -385,7 +386,7 @@ int main(int argc, char** argv) {
     // so that they end now naming it instead of waiting for it until the timeout.
     if (!planned.ok()) {
       ptk::RendezvousStore::ReportEarlyFailure(ranks.rank, ranks.world_size, ranks.master_addr, ranks.master_port,
-                                               timeout, planned.status());
+                                               timeout, planned.status(), ranks.run_id);
       return planned.status();
     }
     const ptk::TrainPlan plan = *std::move(planned);

@@ -345,8 +345,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
     return absl::InvalidArgumentError(fmt::format("rank {} of {}: not a valid rank", o.rank, o.world_size));
   auto comm = std::make_unique<GlooCommunicator>();
-  PTK_ASSIGN_OR_RETURN(comm->store_,
-                       RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout));
+  PTK_ASSIGN_OR_RETURN(
+      comm->store_, RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout, o.run_id));
   comm->gloo_store_ = std::make_shared<GlooStore>(comm->store_.get());
   try {
     gloo::transport::tcp::attr attr;

@@ -21,6 +21,9 @@ struct GlooOptions {
   int rank = 0, world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
+  // rank of another (RendezvousStore::Connect).
+  std::string run_id;
   std::string iface;  // network interface for the gloo transport (GLOO_SOCKET_IFNAME); empty: by hostname
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and each collective
 };

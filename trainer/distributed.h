@@ -19,6 +19,9 @@ struct DistributedOptions {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
+  // rank of another (RendezvousStore::Connect).
+  std::string run_id;
   std::string gloo_iface;  // GLOO_SOCKET_IFNAME
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   // NCCL: called from its watchdog when an aborted collective does not let the process end

@@ -18,7 +18,8 @@ namespace ptk {
 
 // While it lives, polls rank 0's store every `poll` on a thread of its own: for another rank's
 // reported failure (PollReportedFailure), and for a rank that left it without finishing or
-// reporting (PollExitedRank: killed, crashed). Once one is found, the phase has `grace` to end by
+// reporting (PollExitedRank: killed, crashed; rank 0 too, whose store then closes this rank's
+// connection). Once one is found, the phase has `grace` to end by
 // itself (it then meets the failure at its next collective, and unwinds as any failure does); if it
 // has not, `stop` is called, on the watch's thread, with "rank R (host H): <phase> stopped: " and the
 // failure (HeardFailure's: a usage error when the peer's was one; or "rank N (host H) exited (...)"):

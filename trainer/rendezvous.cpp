@@ -1,4 +1,4 @@
-// Rank 0's TCP key-value store for the ranks' rendezvous, and what it knows of ranks that failed.
+// A rank's side of the rendezvous: joining rank 0's store, and what it knows of ranks that failed.
 #include "trainer/rendezvous.h"
 
 #include <netdb.h>
@@ -20,75 +20,15 @@
 
 #include "common/logging.h"
 #include "common/status.h"
+#include "trainer/rendezvous_server.h"
 
 namespace ptk {
 
 using Clock = std::chrono::steady_clock;
 
+using namespace rendezvous_detail;
+
 namespace {
-
-// ---- wire: [u8 op][u32 key][key]([u32 value][value]) ; replies [u32 value][value] or one byte.
-bool SendAll(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::send(fd, c, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-bool RecvAll(int fd, void* p, size_t n) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    ssize_t r = ::recv(fd, c, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-bool SendBlob(int fd, const std::string& s) {
-  uint32_t n = static_cast<uint32_t>(s.size());
-  return SendAll(fd, &n, 4) && SendAll(fd, s.data(), s.size());
-}
-bool RecvBlob(int fd, std::string* s) {
-  uint32_t n = 0;
-  if (!RecvAll(fd, &n, 4) || n > (64u << 20)) return false;
-  s->resize(n);
-  return RecvAll(fd, s->data(), n);
-}
-
-constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
-constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
-constexpr const char* kFailedPrefix = "ptk/failed/";
-constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished's: a rank that left when its run ended
-// Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
-// error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
-// length of kAbortMarker, so that no rank waits for one that will never join.
-constexpr const char* kAbortKey = "ptk/abort";
-constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
-
-// One "rank\thost\tstate" line of the peer list (RendezvousServer::Peers).
-struct PeerLine {
-  int rank = 0;
-  std::string host, state;
-};
-// The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, left out).
-std::vector<PeerLine> PeerLines(const std::string& text) {
-  std::vector<PeerLine> lines;
-  for (size_t pos = 0; pos < text.size();) {
-    const size_t nl = std::min(text.find('\n', pos), text.size()), t1 = text.find('\t', pos);
-    const size_t t2 = t1 < nl ? text.find('\t', t1 + 1) : std::string::npos;
-    if (text.compare(pos, 2, "!\t") != 0 && t2 < nl)
-      lines.push_back({std::atoi(text.substr(pos, t1 - pos).c_str()), text.substr(t1 + 1, t2 - t1 - 1),
-                       text.substr(t2 + 1, nl - t2 - 1)});
-    pos = nl + 1;
-  }
-  return lines;
-}
 
 absl::Status AbortStatus(const std::string& value, const std::string& context = "") {
   const std::string text = context + (value.size() > 2 ? value.substr(2) : value);
@@ -112,171 +52,6 @@ std::string HostName() {
   return host;
 }
 
-// Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
-// client whose connection closes is a rank that exited.
-class RendezvousServer {
- public:
-  ~RendezvousServer() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-    for (int fd : clients_) ::close(fd);
-    if (listen_fd_ >= 0) ::close(listen_fd_);
-  }
-  absl::Status Start(int port, int world_size) {
-    world_size_ = world_size;
-    listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
-    bool v6 = listen_fd_ >= 0;
-    if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (listen_fd_ < 0) return ErrnoToStatus(errno, "rendezvous socket");
-    int one = 1, zero = 0;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc;
-    if (v6) {
-      ::setsockopt(listen_fd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-      sockaddr_in6 a{};
-      a.sin6_family = AF_INET6;
-      a.sin6_addr = in6addr_any;
-      a.sin6_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    } else {
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_ANY);
-      a.sin_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    }
-    if (rc != 0)
-      return ErrnoToStatus(errno, fmt::format("rank 0: rendezvous on MASTER_PORT {} (is another job using it?)", port));
-    if (::listen(listen_fd_, 512) != 0) return ErrnoToStatus(errno, "rendezvous listen");
-    sockaddr_storage bound{};
-    socklen_t len = sizeof bound;
-    if (::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len) == 0)
-      port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    thread_ = std::thread([this] { Loop(); });
-    return absl::OkStatus();
-  }
-
- public:
-  // Connected ranks (for rank 0's exit after a failure: the others may still ask what happened).
-  int live() const { return live_; }
-  // Distinct ranks that have registered since the start.
-  int ever() const { return ever_; }
-  int port() const { return port_; }  // the one bound (any free one for port 0)
-
- private:
-  void Drop(int fd, std::map<int, std::vector<std::string>>* waiting) {
-    ::close(fd);
-    waiting->erase(fd);
-    clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
-    if (auto it = registered_.find(fd); it != registered_.end()) {
-      left_[it->second.first] = it->second.second;
-      registered_.erase(it);
-      live_ = static_cast<int>(registered_.size());
-    }
-  }
-  // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it.
-  std::string Peers() const {
-    std::string out = abort_.empty() ? "" : "!\t" + abort_ + "\n";
-    for (const auto& [fd, who] : registered_)
-      out += fmt::format("{}\t{}\t{}\n", who.first, who.second,
-                         kv_.count(kFailedPrefix + std::to_string(who.first)) ? "failed" : "alive");
-    // A rank that reported its own failure before it left is not the cause.
-    for (const auto& [rank, host] : left_)
-      out += fmt::format("{}\t{}\t{}\n", rank, host,
-                         kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
-                         : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
-                                                                             : "left");
-    return out;
-  }
-  void Loop() {
-    std::map<int, std::vector<std::string>> waiting;  // fd -> keys it waits for (one get at a time)
-    while (!stop_) {
-      std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
-      for (int fd : clients_) fds.push_back({fd, POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
-      if (fds[0].revents & POLLIN) {
-        int c = ::accept(listen_fd_, nullptr, nullptr);
-        if (c >= 0) {
-          // A reply is two writes (its length, then its bytes): with Nagle's algorithm the second
-          // waited for the client's delayed ACK, 40 ms per answer.
-          int one = 1;
-          ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          clients_.push_back(c);
-        }
-      }
-      for (size_t i = 1; i < fds.size(); ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        int fd = fds[i].fd;
-        uint8_t op = 0;
-        std::string key, value;
-        bool ok = RecvAll(fd, &op, 1) && RecvBlob(fd, &key);
-        if (ok && op == kSet) {
-          ok = RecvBlob(fd, &value);
-          if (ok) {
-            if (key == kAbortKey && abort_.empty()) abort_ = value;  // the first rank's reason
-            if (key != kAbortKey) kv_[key] = value;
-            ok = SendAll(fd, "k", 1);
-          }
-        } else if (ok && op == kGet) {
-          waiting[fd].push_back(key);
-        } else if (ok && op == kHello) {
-          ok = RecvBlob(fd, &value);  // "host\tWORLD_SIZE"
-          const int r = std::atoi(key.c_str());
-          const size_t tab = value.find('\t');
-          const int world = tab == std::string::npos ? -1 : std::atoi(value.c_str() + tab + 1);
-          value = value.substr(0, tab);
-          if (ok && world != world_size_) {
-            ok = SendAll(fd, "w", 1);  // another job's rank (two jobs on one MASTER_PORT): it stops
-          } else if (ok && ever_ranks_.count(r)) {
-            // This rank joined this store before: its new incarnation (a pod restarted in place
-            // while this rank 0 still runs the old job) must not meet the old run's addresses.
-            // Refused, it retries until a fresh rank 0 serves.
-            ok = SendAll(fd, "r", 1);
-          } else if (ok) {
-            registered_[fd] = {r, value};
-            live_ = static_cast<int>(registered_.size());
-            ever_ranks_.insert(registered_[fd].first);
-            ever_ = static_cast<int>(ever_ranks_.size());
-            ok = SendAll(fd, "k", 1);
-          }
-        } else if (ok && op == kPeers) {
-          ok = SendBlob(fd, Peers());
-        } else if (ok && op == kAbortQuery) {
-          ok = SendBlob(fd, abort_);
-        } else {
-          ok = false;
-        }
-        if (!ok) Drop(fd, &waiting);
-      }
-      for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
-        auto& keys = it->second;
-        while (!keys.empty() && !abort_.empty()) {  // a rank failed before it joined: nobody waits
-          SendAll(it->first, &kAbortMarker, 4);
-          SendBlob(it->first, abort_);
-          keys.erase(keys.begin());
-        }
-        while (!keys.empty() && kv_.count(keys.front())) {
-          SendBlob(it->first, kv_[keys.front()]);
-          keys.erase(keys.begin());
-        }
-        it = keys.empty() ? waiting.erase(it) : std::next(it);
-      }
-    }
-  }
-  int listen_fd_ = -1;
-  std::vector<int> clients_;
-  std::map<std::string, std::string> kv_;
-  std::map<int, std::pair<int, std::string>> registered_;  // fd -> (rank, host)
-  std::map<int, std::string> left_;                        // rank -> host
-  std::set<int> ever_ranks_;                               // every rank that registered
-  std::string abort_;                                      // kAbortKey's value, once set
-  std::atomic<bool> stop_{false};
-  std::atomic<int> live_{0}, ever_{0};
-  int port_ = 0, world_size_ = 0;
-  std::thread thread_;
-};
-
 RendezvousStore::~RendezvousStore() {
   if (fd_ >= 0) ::close(fd_);
   // Rank 0 after a failed collective: the other ranks may still ask its store what happened (which
@@ -288,64 +63,107 @@ RendezvousStore::~RendezvousStore() {
   server_.reset();
 }
 
+namespace {
+
+void SetReceiveTimeout(int fd, std::chrono::milliseconds wait) {
+  timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+// A connection to host:port, or -1 (*last: why).
+int Dial(const std::string& host, int port, std::string* last, absl::Status* bad_addr) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  int g = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (g != 0) {
+    *bad_addr = absl::InvalidArgumentError(fmt::format("MASTER_ADDR {}: {}", host, gai_strerror(g)));
+    return -1;
+  }
+  int out = -1;
+  for (addrinfo* a = res; a && out < 0; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      out = fd;
+    } else {
+      *last = std::strerror(errno);
+      ::close(fd);
+    }
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
+// Who holds `port` on this host, which this rank 0 could not bind: another ptk rank 0 (its Info), or
+// something else (*ptk false).
+std::string PortHolder(int port, bool* ptk) {
+  *ptk = false;
+  std::string last;
+  absl::Status bad;
+  const int fd = Dial("127.0.0.1", port, &last, &bad);
+  if (fd < 0) return fmt::format("a program that does not accept connections on 127.0.0.1 ({})", last);
+  SetReceiveTimeout(fd, std::chrono::seconds(2));
+  const uint8_t op = static_cast<uint8_t>(kInfo);
+  std::string text;
+  ServerInfo info;
+  errno = 0;
+  const bool answered = SendAll(fd, &op, 1) && SendBlob(fd, "") && RecvBlob(fd, &text);
+  const bool silent = !answered && (errno == EAGAIN || errno == EWOULDBLOCK);
+  ::close(fd);
+  if (silent)
+    return "a program that did not answer ptk's question within 2 s (not a ptk rendezvous, or a ptk rank 0 that "
+           "hangs)";
+  if (!answered || !ParseServerInfo(text, &info))
+    return "a program that is not a ptk rendezvous (it did not answer ptk's question as ptk does)";
+  *ptk = true;
+  return fmt::format("another ptk rank 0 (host {}, pid {}; {})", info.host, info.pid,
+                     JobWords(info.world_size, info.run_id));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int rank, int world_size,
                                                                           const std::string& master_addr, int port,
-                                                                          std::chrono::milliseconds timeout) {
+                                                                          std::chrono::milliseconds timeout,
+                                                                          const std::string& run_id) {
   std::unique_ptr<RendezvousStore> s(new RendezvousStore());
   s->rank_ = rank;
   s->world_size_ = world_size;
   s->timeout_ = timeout;
   s->host_ = HostName();
+  s->run_id_ = run_id;
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    PTK_RETURN_IF_ERROR(s->server_->Start(port, world_size));
+    if (absl::Status started = s->server_->Start(port, world_size, run_id); !started.ok()) {
+      if (s->server_->bind_errno() != EADDRINUSE) return started;
+      bool ptk = false;
+      const std::string holder = PortHolder(port, &ptk);
+      return absl::FailedPreconditionError(
+          fmt::format("rank 0: MASTER_PORT {} on this host is held by {}, this job being {}: {}", port, holder,
+                      JobWords(world_size, run_id),
+                      ptk ? "give each job a MASTER_PORT of its own" : "give this job a free MASTER_PORT"));
+    }
     port = s->server_->port();  // port 0 (one rank alone): the free one it got
   }
   const std::string host = rank == 0 ? "127.0.0.1" : master_addr;
   const auto deadline = Clock::now() + timeout;
   std::string last = "no attempt";
-  const std::string hello_value = s->host_ + "\t" + std::to_string(world_size);
+  int closed = 0;  // connections closed without an answer to the hello, in a row
   // Ranks start together and rank 0 listens moments later: the first retries come soon, the later
   // ones every 200 ms.
   std::chrono::milliseconds retry(5);
   while (s->fd_ < 0 && Clock::now() < deadline) {
-    addrinfo hints{}, *res = nullptr;
-    hints.ai_socktype = SOCK_STREAM;
-    int g = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-    if (g != 0) return absl::InvalidArgumentError(fmt::format("MASTER_ADDR {}: {}", host, gai_strerror(g)));
-    for (addrinfo* a = res; a; a = a->ai_next) {
-      int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-      if (fd < 0) continue;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-        timeval tv{static_cast<time_t>(timeout.count() / 1000),
-                   static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
-        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        int one = 1;
-        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        s->fd_ = fd;
-        break;
-      }
-      last = std::strerror(errno);
-      ::close(fd);
-    }
-    ::freeaddrinfo(res);
-    if (s->fd_ >= 0) {
-      char ack = 0;
-      const absl::Status hello = s->Request(kHello, std::to_string(rank), &hello_value, nullptr, &ack);
-      if (hello.ok() && ack == 'w')
-        return absl::FailedPreconditionError(fmt::format(
-            "rendezvous: the rank 0 at {}:{} runs a job of another WORLD_SIZE than this rank's {}: another job "
-            "uses MASTER_PORT {}; give each job a MASTER_PORT of its own",
-            host, port, world_size, port));
-      if (!hello.ok() || ack != 'k') {  // 'r': that rank 0 still runs an earlier start of the job
-        last = hello.ok() ? fmt::format(
-                                "it still runs an earlier start of this job, which rank {} already joined, "
-                                "or another job uses this MASTER_PORT",
-                                rank)
-                          : StatusMessage(hello);
-        ::close(s->fd_);
-        s->fd_ = -1;
-      }
+    absl::Status bad_addr;
+    s->fd_ = Dial(host, port, &last, &bad_addr);
+    if (!bad_addr.ok()) return bad_addr;
+    if (s->fd_ < 0) {
+      closed = 0;
+    } else if (absl::Status joined = s->Hello(host, port, &last, &closed); !joined.ok()) {
+      ::close(s->fd_);
+      s->fd_ = -1;
+      if (absl::IsFailedPrecondition(joined)) return joined;  // another job's, or not ptk: no retry
     }
     if (s->fd_ < 0) {
       std::this_thread::sleep_for(retry);
@@ -358,6 +176,69 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
                     "MASTER_ADDR/MASTER_PORT right?",
                     host, port, timeout.count() / 1000, last));
   return s;
+}
+
+absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::string* last, int* closed) {
+  // A ptk rank 0 answers at once (its store has a thread of its own): a listener silent for seconds
+  // is not one, or hangs.
+  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(10), timeout_);
+  SetReceiveTimeout(fd_, wait);
+  const std::string where = fmt::format("{}:{}", addr, port);
+  const std::string not_ptk = fmt::format(
+      "another program or job holds MASTER_PORT {}; give this job a MASTER_PORT of its own (or stop what holds it)",
+      port);
+  const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid());
+  char ack = 0;
+  const absl::Status hello = Request(kHello, std::to_string(rank_), &value, nullptr, &ack);
+  if (absl::IsDeadlineExceeded(hello))
+    return absl::FailedPreconditionError(fmt::format(
+        "rendezvous: what listens at {} did not answer ptk's hello within {} s: not a ptk rank 0 (or one that hangs); "
+        "{}",
+        where, wait.count() / 1000.0, not_ptk));
+  if (!hello.ok()) {  // closed: a rank 0 ending its store, once; what closes every time is not ptk
+    if (++*closed >= 3)
+      return absl::FailedPreconditionError(fmt::format(
+          "rendezvous: what listens at {} closed the connection without answering ptk's hello, {} times: not a ptk "
+          "rank 0; {}",
+          where, *closed, not_ptk));
+    *last = StatusMessage(hello);
+    return absl::UnavailableError(*last);
+  }
+  *closed = 0;
+  if (ack == kJoined) {
+    SetReceiveTimeout(fd_, timeout_);
+    return absl::OkStatus();
+  }
+  if (ack == kRejoin) {  // that rank 0 still runs an earlier start of the job: retry until a fresh one serves
+    *last = fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank_);
+    return absl::UnavailableError(*last);
+  }
+  if (ack != kOtherJob && ack != kDuplicate)
+    return absl::FailedPreconditionError(fmt::format(
+        "rendezvous: what listens at {} is not a ptk rank 0 (it answered ptk's hello with byte 0x{:02x}); {}", where,
+        static_cast<unsigned>(static_cast<unsigned char>(ack)), not_ptk));
+  return RefusedByRankZero(where, port, ack);
+}
+
+absl::Status RendezvousStore::RefusedByRankZero(const std::string& where, int port, char ack) {
+  std::string text;
+  ServerInfo info;
+  const bool known = Request(kInfo, std::to_string(rank_), nullptr, &text).ok() && ParseServerInfo(text, &info);
+  const std::string mine = JobWords(world_size_, run_id_);
+  const std::string theirs =
+      known ? fmt::format("host {}, pid {}; {}", info.host, info.pid, JobWords(info.world_size, info.run_id))
+            : "it did not say whose";
+  if (ack == kOtherJob)
+    return absl::FailedPreconditionError(fmt::format(
+        "rendezvous: the rank 0 at {} is another job's ({}), not this rank's ({}): two jobs use MASTER_PORT {}; give "
+        "each job a MASTER_PORT of its own",
+        where, theirs, mine, port));
+  const std::string holder =
+      known && info.rank_pid > 0 ? fmt::format(" (host {}, pid {})", info.rank_host, info.rank_pid) : "";
+  return absl::FailedPreconditionError(fmt::format(
+      "rendezvous: the rank 0 at {} ({}) already has a rank {} connected{}: another job launched alike ({}) uses "
+      "MASTER_PORT {}, or rank {} was started twice; give each job a MASTER_PORT of its own{}",
+      where, theirs, rank_, holder, mine, port, rank_, run_id_.empty() ? " and a run id (PTK_RUN_ID)" : ""));
 }
 
 absl::Status RendezvousStore::Request(char op, const std::string& key, const std::string* value, std::string* reply,
@@ -434,7 +315,12 @@ void RendezvousStore::MarkFinished() {
 
 std::string RendezvousStore::PollExitedRank() {
   std::string text;
-  if (!Request(kPeers, "", nullptr, &text).ok()) return "";
+  if (const absl::Status asked = Request(kPeers, "", nullptr, &text); !asked.ok()) {
+    // This rank's connection to rank 0's store closed: rank 0 is gone (a rank 0 that hangs keeps it open).
+    if (rank_ != 0 && absl::IsUnavailable(asked))
+      return "rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)";
+    return "";
+  }
   for (const PeerLine& p : PeerLines(text))
     if (p.state == "left")
       return fmt::format(
@@ -456,13 +342,14 @@ std::vector<int> RendezvousStore::NeverJoined() {
 }
 
 void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
-                                         std::chrono::milliseconds timeout, const absl::Status& failure) {
+                                         std::chrono::milliseconds timeout, const absl::Status& failure,
+                                         const std::string& run_id) {
   if (world_size <= 1 || failure.ok()) return;
   // The ranks start together and check their flags in moments: a minute is plenty for rank 0 to
   // come up (or, on rank 0, for the others to come and hear why), and bounds this rank's exit.
   const auto wait = std::min<std::chrono::milliseconds>(timeout, std::chrono::minutes(1));
-  auto store = Connect(rank, world_size, master_addr, port, wait);
-  if (!store.ok()) return;  // no rank 0 to tell: the others time out as before
+  auto store = Connect(rank, world_size, master_addr, port, wait, run_id);
+  if (!store.ok()) return;  // no rank 0 of this job to tell: the others time out as before
   const std::string value =
       AbortValue(failure, fmt::format("rank {} (host {}) stopped before the ranks met: ", rank, (*store)->host()));
   if (!(*store)->Set(kAbortKey, value).ok()) return;

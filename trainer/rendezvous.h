@@ -3,7 +3,9 @@
 // its connection to it for the whole run. Nothing from an earlier run can be read there (a requeued
 // job reuses its job id, so a file-based rendezvous could find stale addresses). The store also
 // tells a rank whose collective failed what became of the others: a rank whose connection closed
-// has exited (killed, crashed); a rank that neither exited nor reported its own failure hangs.
+// has exited (killed, crashed); a rank that neither exited nor reported its own failure hangs. No
+// rank of another job (another WORLD_SIZE or run id on the same MASTER_ADDR:MASTER_PORT) ever joins:
+// it is refused at once, naming both jobs (rendezvous_server.h has rank 0's side).
 #pragma once
 
 #include <atomic>
@@ -29,12 +31,19 @@ class RendezvousStore {
 
   // Rank 0 starts the server on `port` (all interfaces; 0: any free port, for a rank alone) and
   // connects to it; the others connect to master_addr:port, retrying until `timeout`. Each rank
-  // registers its rank and host name. A store that a rank of this number already joined refuses it
-  // (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a fresh
-  // rank 0 serves, or the timeout.
+  // registers its rank, host name and pid, with its job's WORLD_SIZE and `run_id` (the launch's
+  // identity, the same on every rank: TrainingRanks::run_id). Refused at once (kFailedPrecondition,
+  // one line naming the address and both jobs, nothing joined): a rank whose WORLD_SIZE or run id is
+  // not rank 0's (another job on this MASTER_PORT); a rank whose number is connected now (another job
+  // launched alike, or a rank started twice); a listener that is not ptk's rendezvous (its answer, or
+  // none within 10 s, or closing three times); a rank 0 whose port another process holds (named: a
+  // ptk rank 0 and its job, or not ptk). A store that a rank of this number joined and left refuses
+  // it too (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a
+  // fresh rank 0 serves, or the timeout.
   static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(int rank, int world_size,
                                                                   const std::string& master_addr, int port,
-                                                                  std::chrono::milliseconds timeout);
+                                                                  std::chrono::milliseconds timeout,
+                                                                  const std::string& run_id = "");
 
   // For a rank about to exit with `failure` found before the ranks met (its own flag checks): tells
   // the others through rank 0's store, so that every rank's rendezvous (each get, waiting or to
@@ -42,7 +51,8 @@ class RendezvousStore {
   // error when `failure` is one) instead of waiting for the timeout. Rank 0 then serves its store
   // until every rank has come and gone. Each waits at most a minute (or `timeout`); never fails.
   static void ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
-                                 std::chrono::milliseconds timeout, const absl::Status& failure);
+                                 std::chrono::milliseconds timeout, const absl::Status& failure,
+                                 const std::string& run_id = "");
 
   // Rank 0 after another rank's early failure reached it, or after its own ReportFailure: serves the
   // store until every rank has registered and gone (they hear the failure there), at most
@@ -72,8 +82,9 @@ class RendezvousStore {
   void MarkFinished();
   // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
   // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
-  // had neither finished (MarkFinished) nor reported a failure; "" when none did, or rank 0 does not
-  // answer. For a rank busy with its own work (LocalPhaseWatch). Never fails.
+  // had neither finished (MarkFinished) nor reported a failure; "rank 0 (which serves the rendezvous)
+  // exited (...)" when this rank's own connection to it closed; "" when none did, or rank 0 does not
+  // answer in time. For a rank busy with its own work (LocalPhaseWatch). Never fails.
   std::string PollExitedRank();
 
   absl::Status Set(const std::string& key, const std::string& value);
@@ -100,6 +111,13 @@ class RendezvousStore {
   absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply,
                        char* ack_out = nullptr);
 
+  // Connect's hello on fd_: OK once joined; kFailedPrecondition to stop (RefusedByRankZero's, or not
+  // ptk); else kUnavailable to retry (*last: why; *closed counts connections closed unanswered).
+  absl::Status Hello(const std::string& addr, int port, std::string* last, int* closed);
+  // The line for a hello refused with `ack` (another job's rank, or a rank connected already): who
+  // serves `where` (its Info) and this rank's job.
+  absl::Status RefusedByRankZero(const std::string& where, int port, char ack);
+
   // The ranks that never registered with rank 0's store (its peer list), ascending; empty when it
   // does not answer.
   std::vector<int> NeverJoined();
@@ -107,7 +125,7 @@ class RendezvousStore {
   std::unique_ptr<RendezvousServer> server_;  // rank 0
   int fd_ = -1;
   int rank_ = 0, world_size_ = 1;
-  std::string host_;
+  std::string host_, run_id_;
   std::chrono::milliseconds timeout_{0};
   std::mutex mu_;                       // one request at a time on the connection (held through the round trip)
   std::atomic<bool> diagnosed_{false};  // DiagnosePeers ran (on a watchdog's thread, perhaps)

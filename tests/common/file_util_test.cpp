@@ -382,7 +382,11 @@ absl::StatusOr<TrainingRanks> TrainingRanksWith(std::vector<std::pair<const char
                                       "LOCAL_WORLD_SIZE",
                                       "SLURM_TASKS_PER_NODE",
                                       "SLURM_NTASKS_PER_NODE",
-                                      "TORCHELASTIC_USE_AGENT_STORE"};
+                                      "TORCHELASTIC_USE_AGENT_STORE",
+                                      "PTK_RUN_ID",
+                                      "TORCHELASTIC_RUN_ID",
+                                      "TORCHELASTIC_ERROR_FILE",
+                                      "SLURM_STEP_ID"};
   for (const char* v : kVars) ::unsetenv(v);
   for (const auto& [k, v] : env) ::setenv(k, v, 1);
   auto r = TrainingRanksFromEnv();
@@ -452,6 +456,55 @@ TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
     ASSERT_FALSE(r.ok());
     EXPECT_TRUE(IsUsageError(r.status())) << r.status();
     EXPECT_NE(r.status().message().find(expected), absl::string_view::npos) << r.status();
+  }
+}
+
+// A launch's identity (run_id), which rank 0's rendezvous compares so that two jobs on one port never
+// meet: the same on every rank of one launch, another for any other. PTK_RUN_ID wins; torchrun's
+// --rdzv-id (not its default "none"), or on one node its agent's fresh log directory of the attempt;
+// a Slurm job's id, with srun's step; nothing for ranks started by hand.
+TEST(TrainingRanksFromEnv, EachLaunchCarriesItsRunId) {
+  const auto with = TrainingRanksWith;
+  using Env = std::vector<std::pair<const char*, const char*>>;
+  const Env srun = {
+      {"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "3"}};
+  const Env torchrun = {{"RANK", "1"},
+                        {"WORLD_SIZE", "2"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                        {"MASTER_PORT", "29500"}};
+  auto plus = [](Env env, const Env& more) {
+    env.insert(env.end(), more.begin(), more.end());
+    return env;
+  };
+  const std::pair<Env, std::string> cases[] = {
+      {{}, ""},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "0"}}, ""},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"PTK_RUN_ID", "job-uid-1"}}, "PTK_RUN_ID=job-uid-1"},
+      {srun, "SLURM_JOB_ID=77 SLURM_STEP_ID=3"},
+      {plus(srun, {{"SLURM_RESTART_COUNT", "2"}}), "SLURM_JOB_ID=77 SLURM_STEP_ID=3 SLURM_RESTART_COUNT=2"},
+      {plus(srun, {{"PTK_RUN_ID", "x"}}), "PTK_RUN_ID=x"},
+      // Ranks started in a Slurm job but not by one srun step: the job's id alone.
+      {{{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "3"}}, "SLURM_JOB_ID=77"},
+      {plus(torchrun, {{"TORCHELASTIC_RUN_ID", "5f0c"}}), "TORCHELASTIC_RUN_ID=5f0c"},
+      {plus(torchrun, {{"TORCHELASTIC_RUN_ID", "none"},
+                       {"TORCHELASTIC_ERROR_FILE", "/tmp/torchelastic_ab/none_cd/attempt_1/1/error.json"}}),
+       "torchrun's log directory /tmp/torchelastic_ab/none_cd/attempt_1"},
+      // That directory is one node's agent's: with ranks on other nodes, it is no identity.
+      {{{"RANK", "1"},
+        {"WORLD_SIZE", "4"},
+        {"LOCAL_WORLD_SIZE", "2"},
+        {"TORCHELASTIC_RUN_ID", "none"},
+        {"TORCHELASTIC_ERROR_FILE", "/tmp/torchelastic_ab/none_cd/attempt_1/1/error.json"}},
+       ""},
+      {plus(torchrun, {{"TORCHELASTIC_ERROR_FILE", "/error.json"}}), ""},
+      {plus(torchrun, {{"TORCHELASTIC_ERROR_FILE", ""}, {"SLURM_JOB_ID", "9"}}), "SLURM_JOB_ID=9"},
+  };
+  for (const auto& [env, run_id] : cases) {
+    auto r = with(env);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->run_id, run_id);
   }
 }
 

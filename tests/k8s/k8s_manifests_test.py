@@ -274,6 +274,8 @@ def job_checks(job, cfg, service=None):
         check(env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] ==
               "metadata.annotations['batch.kubernetes.io/job-completion-index']", "RANK is not the completion index")
         check(env["WORLD_SIZE"]["value"] == str(s["completions"]), "WORLD_SIZE != completions")
+        check(env["PTK_RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"] ==
+              "metadata.labels['batch.kubernetes.io/controller-uid']", "PTK_RUN_ID is not the Job's uid")
         check(str(sp["ports"][0]["port"]) == env["MASTER_PORT"]["value"], "the Service's port is not MASTER_PORT")
         one_rank_per_pod_checks(where, t["containers"][0])
 

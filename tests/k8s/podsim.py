@@ -10,7 +10,8 @@ what Kubernetes adds, and the Job / PyTorchJob controllers' retry rules are appl
     `$(VAR)` in command and args expanded against that env ($$ is a literal $, unknown names are
     left as written) -- the algorithm of k8s.io/kubernetes third_party/forked/golang/expansion;
   - the Job controller (Indexed Jobs): one pod per completion index, at most `parallelism` at once,
-    lowest pending index first; JOB_COMPLETION_INDEX appended to every container's env as a fieldRef
+    lowest pending index first; the Job's uid (a fresh uuid for each Job run) as its pods' labels
+    batch.kubernetes.io/controller-uid and controller-uid (as Kubernetes 1.27+); JOB_COMPLETION_INDEX appended to every container's env as a fieldRef
     to the pod's batch.kubernetes.io/job-completion-index annotation (as
     pkg/controller/job/indexed_job_utils.go does), the pod's hostname `<job>-<index>`;
     restartPolicy Never: a failed pod is matched against podFailurePolicy (FailIndex, FailJob,
@@ -40,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 
 IMAGE_PATH = "/opt/ptk/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -242,7 +244,9 @@ class Sim:
         backoff_limit = spec.get("backoffLimit", 2147483647 if per_index is not None else 6)
         rules = (spec.get("podFailurePolicy") or {}).get("rules", [])
         labels = dict(template.get("metadata", {}).get("labels", {}))
-        labels.update({"batch.kubernetes.io/job-name": name, "job-name": name})
+        uid = str(uuid.uuid4())  # the Job's, which the controller puts on its pods (1.27+: both labels)
+        labels.update({"batch.kubernetes.io/job-name": name, "job-name": name,
+                       "batch.kubernetes.io/controller-uid": uid, "controller-uid": uid})
         if indexed and pspec.get("subdomain"):  # <hostname>.<subdomain> of every index, in the cluster's DNS
             for i in range(completions):
                 for suffix in ("", ".default", ".default.svc", ".default.svc.cluster.local"):

@@ -7,7 +7,9 @@
 #      the script requeues the job (--requeue), the requeued job resumes from `latest` and completes:
 #      every iteration trained once;
 #   2. one rank killed (kill -9): the job fails within --distributed-timeout-minutes, not at its
-#      time limit.
+#      time limit;
+#   3. a second job on the node given the first's MASTER_PORT: it fails at once, its ranks naming the
+#      first job (SLURM_JOB_ID, srun's step: the run id), which trains on.
 # Usage: slurm_train_test.sh BIN_DIR SOURCE_DIR      (exit 77 = skipped: not root)
 set -euo pipefail
 BIN=$1
@@ -99,4 +101,39 @@ elapsed=$((SECONDS - start))
 [ "$elapsed" -le 45 ] || fail "the job took ${elapsed}s to end after a rank was killed"
 grep -q 'FAILED' "$WORK/wait.out" || { cat "$WORK/wait.out"; fail "the job is not FAILED"; }
 echo "   rank 1 killed -> job FAILED after ${elapsed}s (timeout 30 s), not at its time limit"
+
+echo "== 3. two jobs on this node with one MASTER_PORT: the second stops at once naming the first, which runs on"
+# A free port below the ephemeral ones (from 32768), where no outgoing connection can take it meanwhile.
+port=$(python3 -c 'import random, socket
+for _ in range(500):
+    p, s = random.randrange(10000, 32000), socket.socket()
+    try:
+        s.bind(("", p)); print(p); break
+    except OSError:
+        pass')
+export MASTER_PORT=$port STAGE_PATH=$WORK/stage3a TRAIN_ITERS=1000000 TRAIN_ARGS=$BASE_ARGS
+mkdir -p "$STAGE_PATH"
+first=$(submit)
+metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
+for _ in $(seq 900); do [ "$(lines "$metrics")" -ge 50 ] && break; sleep 0.1; done
+[ "$(lines "$metrics")" -ge 50 ] || fail "the first job did not start training"
+export STAGE_PATH=$WORK/stage3b
+mkdir -p "$STAGE_PATH"
+second=$(cd "$WORK" && sbatch --parsable -p gpu -N 1 --ntasks-per-node 2 --cpus-per-task 1 \
+  --output "$STAGE_PATH/train-%j.out" "$SRC/slurm/train.sbatch") || fail "sbatch the second job"
+set +e; "$WAIT" -t 120 "$second" > "$WORK/wait.out"; WAIT_RC=$?; set -e
+log=$(ls "$STAGE_PATH"/train-*.out)
+[ "$WAIT_RC" = 1 ] || { cat "$WORK/wait.out" "$log"; fail "the second job did not fail (slurm-wait rc $WAIT_RC)"; }
+theirs="WORLD_SIZE 2, run id SLURM_JOB_ID=$first SLURM_STEP_ID=0"
+mine="WORLD_SIZE 2, run id SLURM_JOB_ID=$second SLURM_STEP_ID=0"
+grep -q "rank 0: MASTER_PORT $port on this host is held by another ptk rank 0 (host .*; $theirs), this job being $mine" \
+  "$log" || { cat "$log"; fail "the second job's rank 0 did not name the first job"; }
+grep -q "rendezvous: the rank 0 at .*:$port is another job's (host .*; $theirs), not this rank's ($mine)" "$log" ||
+  { cat "$log"; fail "the second job's rank 1 did not name the first job"; }
+seen=$(lines "$metrics")
+for _ in $(seq 600); do [ "$(lines "$metrics")" -gt "$seen" ] && break; sleep 0.1; done
+[ "$(lines "$metrics")" -gt "$seen" ] || fail "the first job stopped training"
+[ "$(squeue -h -j "$first" -o %T)" = RUNNING ] || fail "the first job is not running"
+scancel "$first"
+echo "   second job FAILED at once naming SLURM_JOB_ID=$first; the first trained on"
 echo "PASS"

@@ -335,42 +335,7 @@ TEST(Rendezvous, ARankZeroThatExitedIsSaidToHaveExited) {
             "rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)");
 }
 
-// Two jobs on one MASTER_PORT: the second job's rank 0 cannot bind it, and its other ranks reach the
-// first job's rank 0. One whose WORLD_SIZE differs is refused at once, naming the cause (rank 2 of a
-// job of 4 joined a job of 2 as a rank it never had, and then read that job's addresses); one of the
-// same WORLD_SIZE is refused as a restarted rank is, its error naming both causes.
-TEST(Rendezvous, AnotherJobsRanksOnTheSamePortAreRefused) {
-  using std::chrono::milliseconds;
-  const int port = testing::NextPort();
-  std::vector<std::unique_ptr<RendezvousStore>> job(2);
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(10000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    job[static_cast<size_t>(r)] = *std::move(s);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int rank : {1, 2}) {
-    auto other = RendezvousStore::Connect(rank, 4, "127.0.0.1", port, milliseconds(60000));
-    ASSERT_FALSE(other.ok());
-    EXPECT_TRUE(absl::IsFailedPrecondition(other.status())) << other.status();
-    EXPECT_NE(other.status().message().find("runs a job of another WORLD_SIZE than this rank's 4: another job uses "
-                                            "MASTER_PORT " +
-                                            std::to_string(port)),
-              std::string::npos)
-        << other.status();
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30)) << "it waited for the timeout";
-  auto same = RendezvousStore::Connect(1, 2, "127.0.0.1", port, milliseconds(500));
-  ASSERT_FALSE(same.ok());
-  EXPECT_NE(same.status().message().find("which rank 1 already joined, or another job uses this MASTER_PORT"),
-            std::string::npos)
-      << same.status();
-  job[1].reset();  // the first job's own ranks are all its store knows of
-  const std::string peers = job[0]->DiagnosePeers("barrier: Connection reset by peer");
-  EXPECT_EQ(peers.substr(0, 7), "rank 1 ") << peers;
-  EXPECT_EQ(peers.find("rank 2"), std::string::npos) << peers;
-  job[0].reset();
-}
+// Two jobs on one MASTER_PORT: rendezvous_jobs_test.cpp.
 
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
 // training thread takes to enqueue each collective): it must not wait for another thread's request on

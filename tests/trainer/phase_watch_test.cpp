@@ -160,5 +160,26 @@ TEST(LocalPhaseWatch, ARankThatDiesEndsAPhaseStillBusyOneThatFinishedDoesNot) {
   stores[0].reset();
 }
 
+// Rank 0 killed while another rank still starts: that rank's own connection to rank 0's store closes,
+// and its watch stops the phase naming rank 0 as exited. Before, rank 0's silence read as "nothing to
+// report", and the rank went on to its next collective.
+TEST(LocalPhaseWatch, RankZeroDyingEndsAPhaseStillBusy) {
+  auto stores = Stores(3);
+  ASSERT_EQ(stores.size(), 3u);
+  Stopped stopped;
+  {
+    LocalPhaseWatch watch(stores[1], stopped.Fn(), "loading the checkpoint", {.poll = 10ms, .grace = 10ms});
+    stores[0].reset();  // killed: its store, and every connection to it, closes
+    const std::optional<absl::Status> st = stopped.Wait();
+    ASSERT_TRUE(st.has_value()) << "the watch did not stop the phase";
+    EXPECT_TRUE(absl::IsAborted(*st)) << *st;
+    EXPECT_EQ(st->message(), "rank 1 (host " + HostName() +
+                                 "): loading the checkpoint stopped: rank 0 (which serves the rendezvous) exited "
+                                 "(its connection closed: killed, crashed or stopped early)");
+  }
+  stores[2].reset();
+  stores[1].reset();
+}
+
 }  // namespace
 }  // namespace ptk

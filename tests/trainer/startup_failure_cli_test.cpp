@@ -225,5 +225,34 @@ TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherIsKilled)
   EXPECT_FALSE(std::filesystem::exists(ck)) << log;
 }
 
+// Rank 0 (which serves the rendezvous) killed while rank 1 still starts: rank 1 stops within a second
+// or so, exit 1, naming rank 0 as exited and the phase it was in. Before, rank 0's closed store read as
+// nothing to report, and rank 1 went on with its start-up until its next collective.
+TEST_F(StartupFailureCli, ARankStillStartingStopsWhenRankZeroIsKilled) {
+  std::string blend;
+  for (int i = 0; i < 1000; ++i) blend += " 1 data_text_document";
+  const std::string cmd =
+      Train(2, "--data-path" + blend + " --split 100,0,0 --eval-iters 0 --train-iters 1000000 --save " +
+                   ShellQuote(dir_ / "ck"));
+  const std::string good = ShellQuote(dir_ / "good");
+  const std::string script =
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) + "; cd " +
+      good + "; RANK=0 " + cmd + " > " + ShellQuote(Log(0)) + " 2>&1 & p0=$!; RANK=1 timeout 120 " + cmd + " > " +
+      ShellQuote(Log(1)) + " 2>&1 & p1=$!; end=$((SECONDS + 100)); until grep -q 'building the datasets' " +
+      ShellQuote(Log(0)) +
+      " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -9 $p0; wait $p1; echo rc1=$?; wait $p0";
+  const auto out = RunCmd("bash -c " + ShellQuote(script));
+  const std::string log = testing::ReadFile(Log(1));
+  EXPECT_NE(out.output.find("rc1=1"), std::string::npos) << out.output << log;
+  const std::vector<std::string> errors = Errors(log);
+  ASSERT_EQ(errors.size(), 1u) << log;
+  const std::string who = "rank 1 (host " + host_ + "): ";
+  const std::string why =
+      " stopped: rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)";
+  EXPECT_EQ(errors[0].rfind(who, 0), 0u) << log;
+  ASSERT_GT(errors[0].size(), why.size()) << log;
+  EXPECT_EQ(errors[0].substr(errors[0].size() - why.size()), why) << log;
+}
+
 }  // namespace
 }  // namespace ptk

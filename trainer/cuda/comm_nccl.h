@@ -25,6 +25,9 @@ struct NcclOptions {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
+  // rank of another (RendezvousStore::Connect).
+  std::string run_id;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous, initialisation, each collective
   // Called once, on the watchdog thread, when the communicator was aborted and the training thread
   // has not come back from the device within `stuck_grace` (a kernel that the abort did not end):

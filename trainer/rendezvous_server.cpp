@@ -1,0 +1,273 @@
+// Rank 0's TCP key-value store for the ranks' rendezvous: its wire, and whom it lets join.
+#include "trainer/rendezvous_server.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+
+namespace ptk {
+
+namespace rendezvous_detail {
+
+bool SendAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+bool RecvAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t r = ::recv(fd, c, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+bool SendBlob(int fd, const std::string& s) {
+  uint32_t n = static_cast<uint32_t>(s.size());
+  return SendAll(fd, &n, 4) && SendAll(fd, s.data(), s.size());
+}
+bool RecvBlob(int fd, std::string* s) {
+  uint32_t n = 0;
+  if (!RecvAll(fd, &n, 4) || n > (64u << 20)) return false;
+  s->resize(n);
+  return RecvAll(fd, s->data(), n);
+}
+
+namespace {
+std::string OneField(std::string s) {
+  std::replace(s.begin(), s.end(), '\t', ' ');
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+std::vector<std::string> Fields(const std::string& line) {
+  std::vector<std::string> out;
+  for (size_t pos = 0;;) {
+    const size_t tab = line.find('\t', pos);
+    out.push_back(line.substr(pos, tab == std::string::npos ? std::string::npos : tab - pos));
+    if (tab == std::string::npos) return out;
+    pos = tab + 1;
+  }
+}
+}  // namespace
+
+std::string HelloValue(const std::string& host, int world_size, const std::string& run_id, int64_t pid) {
+  return fmt::format("{}\t{}\t{}\t{}", OneField(host), world_size, OneField(run_id), pid);
+}
+
+std::vector<PeerLine> PeerLines(const std::string& text) {
+  std::vector<PeerLine> lines;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size()), t1 = text.find('\t', pos);
+    const size_t t2 = t1 < nl ? text.find('\t', t1 + 1) : std::string::npos;
+    if (text.compare(pos, 2, "!\t") != 0 && t2 < nl)
+      lines.push_back({std::atoi(text.substr(pos, t1 - pos).c_str()), text.substr(t1 + 1, t2 - t1 - 1),
+                       text.substr(t2 + 1, nl - t2 - 1)});
+    pos = nl + 1;
+  }
+  return lines;
+}
+
+bool ParseServerInfo(const std::string& text, ServerInfo* info) {
+  const size_t nl = text.find('\n');
+  const std::vector<std::string> f = Fields(text.substr(0, nl));
+  if (f.size() != 5 || f[0] != kInfoMagic) return false;
+  info->world_size = std::atoi(f[1].c_str());
+  info->pid = std::atoll(f[2].c_str());
+  info->host = f[3];
+  info->run_id = f[4];
+  if (nl != std::string::npos) {
+    const std::vector<std::string> r = Fields(text.substr(nl + 1));
+    if (r.size() == 2) {
+      info->rank_host = r[0];
+      info->rank_pid = std::atoll(r[1].c_str());
+    }
+  }
+  return true;
+}
+
+std::string JobWords(int world_size, const std::string& run_id) {
+  return fmt::format("WORLD_SIZE {}, {}", world_size, run_id.empty() ? "no run id" : "run id " + run_id);
+}
+
+}  // namespace rendezvous_detail
+
+using namespace rendezvous_detail;
+
+RendezvousServer::~RendezvousServer() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  for (int fd : clients_) ::close(fd);
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+}
+
+absl::Status RendezvousServer::Start(int port, int world_size, const std::string& run_id) {
+  world_size_ = world_size;
+  run_id_ = OneField(run_id);
+  char host[256] = {};
+  host_ = ::gethostname(host, sizeof host - 1) == 0 ? host : "?";
+  listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
+  bool v6 = listen_fd_ >= 0;
+  if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (listen_fd_ < 0) return ErrnoToStatus(errno, "rendezvous socket");
+  int one = 1, zero = 0;
+  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  int rc;
+  if (v6) {
+    ::setsockopt(listen_fd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    a.sin6_addr = in6addr_any;
+    a.sin6_port = htons(static_cast<uint16_t>(port));
+    rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  } else {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  if (rc != 0) {
+    bind_errno_ = errno;
+    return ErrnoToStatus(errno, fmt::format("rank 0: rendezvous on MASTER_PORT {}", port));
+  }
+  if (::listen(listen_fd_, 512) != 0) return ErrnoToStatus(errno, "rendezvous listen");
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  if (::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len) == 0)
+    port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+void RendezvousServer::Drop(int fd, std::map<int, std::vector<std::string>>* waiting) {
+  ::close(fd);
+  waiting->erase(fd);
+  clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
+  if (auto it = registered_.find(fd); it != registered_.end()) {
+    left_[it->second.rank] = it->second.host;
+    registered_.erase(it);
+    live_ = static_cast<int>(registered_.size());
+  }
+}
+
+std::string RendezvousServer::Peers() const {
+  std::string out = abort_.empty() ? "" : "!\t" + abort_ + "\n";
+  for (const auto& [fd, who] : registered_)
+    out += fmt::format("{}\t{}\t{}\n", who.rank, who.host,
+                       kv_.count(kFailedPrefix + std::to_string(who.rank)) ? "failed" : "alive");
+  // A rank that reported its own failure before it left is not the cause.
+  for (const auto& [rank, host] : left_)
+    out += fmt::format("{}\t{}\t{}\n", rank, host,
+                       kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
+                       : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
+                                                                           : "left");
+  return out;
+}
+
+std::string RendezvousServer::Info(const std::string& rank) const {
+  std::string out = fmt::format("{}\t{}\t{}\t{}\t{}", kInfoMagic, world_size_, ::getpid(), host_, run_id_);
+  for (const auto& [fd, who] : registered_)
+    if (!rank.empty() && std::to_string(who.rank) == rank) out += fmt::format("\n{}\t{}", who.host, who.pid);
+  return out;
+}
+
+char RendezvousServer::Hello(int fd, const std::string& rank, const std::string& value) {
+  const std::vector<std::string> f = Fields(value);  // HelloValue's
+  const int r = std::atoi(rank.c_str());
+  // Another job's rank (two jobs on one MASTER_PORT): it never joins this one, whatever its number.
+  if (f.size() != 4 || std::atoi(f[1].c_str()) != world_size_ || f[2] != run_id_) return kOtherJob;
+  // A live rank of this number: the claimant is not its restart (that one's connection would have
+  // closed) but another process as this job: another job launched alike, or the rank started twice.
+  for (const auto& [other_fd, who] : registered_)
+    if (who.rank == r) return kDuplicate;
+  // This rank joined this store before and left: its new incarnation (a pod restarted in place while
+  // this rank 0 still runs the old job) must not meet the old run's addresses. Refused, it retries
+  // until a fresh rank 0 serves.
+  if (ever_ranks_.count(r)) return kRejoin;
+  registered_[fd] = {r, f[0], std::atoll(f[3].c_str())};
+  live_ = static_cast<int>(registered_.size());
+  ever_ranks_.insert(r);
+  ever_ = static_cast<int>(ever_ranks_.size());
+  return kJoined;
+}
+
+bool RendezvousServer::Serve(int fd, std::map<int, std::vector<std::string>>* waiting) {
+  uint8_t op = 0;
+  std::string key, value;
+  if (!RecvAll(fd, &op, 1) || !RecvBlob(fd, &key)) return false;
+  switch (op) {
+    case kSet:
+      if (!RecvBlob(fd, &value)) return false;
+      if (key == kAbortKey && abort_.empty()) abort_ = value;  // the first rank's reason
+      if (key != kAbortKey) kv_[key] = value;
+      return SendAll(fd, "k", 1);
+    case kGet: (*waiting)[fd].push_back(key); return true;
+    case kHello: {
+      if (!RecvBlob(fd, &value)) return false;
+      const char answer = Hello(fd, key, value);
+      return SendAll(fd, &answer, 1);
+    }
+    case kPeers: return SendBlob(fd, Peers());
+    case kAbortQuery: return SendBlob(fd, abort_);
+    case kInfo: return SendBlob(fd, Info(key));
+    default: return false;
+  }
+}
+
+void RendezvousServer::Loop() {
+  std::map<int, std::vector<std::string>> waiting;  // fd -> keys it waits for (one get at a time)
+  while (!stop_) {
+    std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
+    for (int fd : clients_) fds.push_back({fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      int c = ::accept(listen_fd_, nullptr, nullptr);
+      if (c >= 0) {
+        // A reply is two writes (its length, then its bytes): with Nagle's algorithm the second
+        // waited for the client's delayed ACK, 40 ms per answer.
+        int one = 1;
+        ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        clients_.push_back(c);
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (!Serve(fds[i].fd, &waiting)) Drop(fds[i].fd, &waiting);
+    }
+    for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
+      auto& keys = it->second;
+      while (!keys.empty() && !abort_.empty()) {  // a rank failed before it joined: nobody waits
+        SendAll(it->first, &kAbortMarker, 4);
+        SendBlob(it->first, abort_);
+        keys.erase(keys.begin());
+      }
+      while (!keys.empty() && kv_.count(keys.front())) {
+        SendBlob(it->first, kv_[keys.front()]);
+        keys.erase(keys.begin());
+      }
+      it = keys.empty() ? waiting.erase(it) : std::next(it);
+    }
+  }
+}
+
+}  // namespace ptk

@@ -1,0 +1,121 @@
+// Rank 0's side of the rendezvous (trainer/rendezvous.h): the TCP key-value store it serves, its
+// wire format, and what it answers a rank's hello (a rank of this job, another job's, one already
+// connected). Named only by rendezvous.cpp, rendezvous_server.cpp and their tests.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace ptk {
+
+namespace rendezvous_detail {
+
+// ---- wire: [u8 op][u32 key][key]([u32 value][value]) ; replies [u32 value][value] or one byte.
+bool SendAll(int fd, const void* p, size_t n);
+bool RecvAll(int fd, void* p, size_t n);
+bool SendBlob(int fd, const std::string& s);
+bool RecvBlob(int fd, std::string* s);
+
+inline constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
+inline constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
+// Who serves this store (RendezvousServer::Info): asked by a rank its hello refused, and by a rank 0
+// that found MASTER_PORT taken; any client may ask, before or without a hello.
+inline constexpr char kInfo = 'I';
+inline constexpr const char* kInfoMagic = "ptk-rendezvous";  // the first field of Info's answer
+inline constexpr const char* kFailedPrefix = "ptk/failed/";
+inline constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished's: a rank that left when its run ended
+// Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
+// error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
+// length of kAbortMarker, so that no rank waits for one that will never join.
+inline constexpr const char* kAbortKey = "ptk/abort";
+inline constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
+
+// A hello's one-byte answers. 'k': joined. 'j': another job's rank (its WORLD_SIZE or run id is not
+// this store's): it stops. 'd': a rank of this number is connected now (another job of the same
+// WORLD_SIZE and run id, or the rank started twice): it stops. 'r': a rank of this number joined and
+// left (a restarted rank finding a rank 0 still in the job's earlier start): it retries.
+inline constexpr char kJoined = 'k', kOtherJob = 'j', kDuplicate = 'd', kRejoin = 'r';
+
+// A hello's value: "host\tWORLD_SIZE\trun id\tpid" (tabs and newlines of the run id made spaces).
+std::string HelloValue(const std::string& host, int world_size, const std::string& run_id, int64_t pid);
+
+// One "rank\thost\tstate" line of the peer list (RendezvousServer::Peers).
+struct PeerLine {
+  int rank = 0;
+  std::string host, state;
+};
+// The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, left out).
+std::vector<PeerLine> PeerLines(const std::string& text);
+
+// What Info answers, parsed: who serves a store, and, when asked about a rank, who holds that rank.
+struct ServerInfo {
+  int world_size = 0;
+  std::string run_id, host;
+  int64_t pid = 0;
+  std::string rank_host;  // the asked rank's connected process, when one is
+  int64_t rank_pid = 0;
+};
+// Info's answer parsed; false when `text` is not one (what answered is not ptk's rendezvous).
+bool ParseServerInfo(const std::string& text, ServerInfo* info);
+// "WORLD_SIZE 2, run id SLURM_JOB_ID=12 SLURM_STEP_ID=0" ("no run id" when empty).
+std::string JobWords(int world_size, const std::string& run_id);
+
+}  // namespace rendezvous_detail
+
+// Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
+// client whose connection closes is a rank that exited.
+class RendezvousServer {
+ public:
+  ~RendezvousServer();
+  // Listens on `port` (0: any free one) of every interface, for the ranks of a job of `world_size`
+  // ranks launched as `run_id` (RendezvousStore::Connect). A port another process holds: kUnavailable,
+  // and bind_errno() is EADDRINUSE.
+  absl::Status Start(int port, int world_size, const std::string& run_id);
+
+  // Connected ranks (for rank 0's exit after a failure: the others may still ask what happened).
+  int live() const { return live_; }
+  // Distinct ranks that have registered since the start.
+  int ever() const { return ever_; }
+  int port() const { return port_; }  // the one bound (any free one for port 0)
+  int bind_errno() const { return bind_errno_; }
+
+ private:
+  struct Client {
+    int rank = 0;
+    std::string host;
+    int64_t pid = 0;
+  };
+  void Drop(int fd, std::map<int, std::vector<std::string>>* waiting);
+  // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it.
+  std::string Peers() const;
+  // kInfo's answer: "ptk-rendezvous\tWORLD_SIZE\tpid\thost\trun id", then, when `rank` is a connected
+  // rank's number, "\n" and its "host\tpid".
+  std::string Info(const std::string& rank) const;
+  // A hello's one-byte answer (kJoined...), registering the rank when it joins.
+  char Hello(int fd, const std::string& rank, const std::string& value);
+  // One request of client `fd`; false when its connection is to be dropped.
+  bool Serve(int fd, std::map<int, std::vector<std::string>>* waiting);
+  void Loop();
+
+  int listen_fd_ = -1;
+  std::vector<int> clients_;
+  std::map<std::string, std::string> kv_;
+  std::map<int, Client> registered_;  // fd -> the rank it registered as
+  std::map<int, std::string> left_;   // rank -> host
+  std::set<int> ever_ranks_;          // every rank that registered
+  std::string abort_;                 // kAbortKey's value, once set
+  std::string run_id_, host_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> live_{0}, ever_{0};
+  int port_ = 0, world_size_ = 0, bind_errno_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace ptk
