@@ -390,28 +390,16 @@ absl::Status SweepDeadExports(const std::string& save_dir, std::vector<std::stri
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
-  ConvertSummary s;
+// The target layout against the checkpoint's model `c` (read from `file`): the vocabulary's padding, the
+// tensor-parallel split, the distributed optimizer's flags, the interleaved schedule (Megatron's checks, arguments.py)
+// and the pipeline split. The model chunks per pipeline rank (1 without the interleaved schedule).
+absl::StatusOr<int64_t> CheckExportTarget(const ConvertOptions& o, const GPTConfig& c, const std::string& file) {
   const int64_t tp = o.target_tensor_parallel_size, pp = o.target_pipeline_parallel_size;
-  if (o.saver_transformer_impl != "transformer_engine" && o.saver_transformer_impl != "local")
-    return UsageError(
-        fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
-  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
-  const GPTConfig& c = ck.config;
-  s.notes = ck.notes;
-  s.source = ck.file;
-  s.iteration = ck.iteration;
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<float> params, m1, m2;
-  TrainState state;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load_dir, ck.iteration, layout, &params, &m1, &m2, &state));
   if (PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by) != c.padded_vocab_size)
     return UsageError(
         fmt::format("{}: a vocabulary of {} padded to {} is not a multiple of "
                     "--make-vocab-size-divisible-by {}: give the value the run was trained with",
-                    ck.file, c.vocab_size, c.padded_vocab_size, o.make_vocab_size_divisible_by));
+                    file, c.vocab_size, c.padded_vocab_size, o.make_vocab_size_divisible_by));
   if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0)
     return UsageError(
         fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
@@ -435,14 +423,54 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
                       n, c.num_layers / pp, pp, c.num_layers));
     vp = c.num_layers / pp / n;
   }
+  if (c.num_layers % pp != 0)
+    return UsageError(
+        fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
+  return vp;
+}
+
+// The iteration's directory, written aside and renamed into place in --save-dir (taken for the export, what killed
+// exports left swept away, with a note each in `notes`). The directory written.
+absl::StatusOr<std::string> SaveExport(const Export& ex, const ConvertOptions& o, std::vector<std::string>* notes) {
+  SaveDirectory save_dir;  // locked; a failed export (a full disk) leaves no --save-dir it made
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert"));
+  PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, notes));
+  const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", ex.state.iteration));
+  const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
+  const std::string old_dir = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());
+  if (absl::Status st = ex.WriteAndPublish(tmp_dir, final_dir, old_dir); !st.ok()) {
+    absl::Status undo = RemoveAll(tmp_dir);
+    if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
+    if (!PathExists(final_dir) && PathExists(old_dir)) (void)RenameFile(old_dir, final_dir);
+    return st;
+  }
+  save_dir.Keep();
+  return final_dir;
+}
+
+}  // namespace
+
+absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
+  ConvertSummary s;
+  const int64_t tp = o.target_tensor_parallel_size, pp = o.target_pipeline_parallel_size;
+  if (o.saver_transformer_impl != "transformer_engine" && o.saver_transformer_impl != "local")
+    return UsageError(
+        fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
+  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
+  const GPTConfig& c = ck.config;
+  s.notes = ck.notes;
+  s.source = ck.file;
+  s.iteration = ck.iteration;
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
+  std::vector<float> params, m1, m2;
+  TrainState state;
+  PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load_dir, ck.iteration, layout, &params, &m1, &m2, &state));
+  PTK_ASSIGN_OR_RETURN(const int64_t vp, CheckExportTarget(o, c, ck.file));
   Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;
   ex.pp = pp;
   ex.vp = vp;
   ex.vm = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by * tp);
-  if (c.num_layers % pp != 0)
-    return UsageError(
-        fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
   PTK_ASSIGN_OR_RETURN(ex.mparams, MegParams(layout, pp * vp));
   ex.te = o.saver_transformer_impl == "transformer_engine";
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
@@ -458,20 +486,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.args = MegatronArgs(o, c, state, ex.h, ex.vm, ex.precision, vp);
   ex.sched = SchedulerState(state, ex.h);
 
-  // The iteration's directory, written aside and renamed into place.
-  SaveDirectory save_dir;  // locked; a failed export (a full disk) leaves no --save-dir it made
-  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert"));
-  PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, &s.notes));
-  const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", state.iteration));
-  const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
-  const std::string old_dir = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());
-  if (absl::Status st = ex.WriteAndPublish(tmp_dir, final_dir, old_dir); !st.ok()) {
-    absl::Status undo = RemoveAll(tmp_dir);
-    if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
-    if (!PathExists(final_dir) && PathExists(old_dir)) (void)RenameFile(old_dir, final_dir);
-    return st;
-  }
-  save_dir.Keep();
+  PTK_ASSIGN_OR_RETURN(const std::string final_dir, SaveExport(ex, o, &s.notes));
   s.destination = final_dir;
   s.config = c;
   s.num_params = layout.num_params;

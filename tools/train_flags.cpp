@@ -218,8 +218,8 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
                 "Stop when the loss or the gradient norm is NaN/Inf (default; --no-...: skip the iteration instead)");
 }
 
-// Precision, parallelism, device.
-void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
+// Precision, device, fp16's loss scaling.
+void AddPrecisionFlags(CLI::App* app, TrainFlags* f) {
   TrainOptions& o = f->options;
   app->add_flag("--fp16", f->fp16,
                 "fp16 mixed precision with dynamic loss scaling (--device cuda; fp32 master weights, moments, loss)");
@@ -241,6 +241,11 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
       ->check(RealIn(1, false, 1e15, false));
   app->add_option("--hysteresis", f->hysteresis, "fp16: overflows tolerated before the scale halves (2)")
       ->check(IntIn(1, kMaxSize));
+}
+
+// Parallelism (tensor, pipeline, context, data: ZeRO-1, buckets, the backend and its timeout), --dry-run, threads.
+void AddParallelFlags(CLI::App* app, TrainFlags* f) {
+  TrainOptions& o = f->options;
   app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size,
                   "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; gloo on the CPU, NCCL on GPUs): "
                   "WORLD_SIZE = this x data-parallel ranks x pipeline stages (1)")
@@ -367,7 +372,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddBatchAndOptimizerFlags(app, f);
   AddDataFlags(app, f);
   AddLoggingAndCheckpointFlags(app, f);
-  AddPrecisionAndParallelFlags(app, f);
+  AddPrecisionFlags(app, f);
+  AddParallelFlags(app, f);
   train_flags::AddCompatFlags(app, f);
   AddMoreTrainFlags(app, f);
 }

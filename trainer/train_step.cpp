@@ -93,33 +93,58 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     tied = {at, at + lay.config.padded_vocab_size / lay.tensor_size * lay.config.hidden_size};
   }
   bool armed = false;  // --overlap-grad-reduce over stages: armed by the schedule's last backward
-  if (pipeline_) {
-    std::vector<double> scales;
-    for (const double scale : scale_of) scales.push_back(scale * r.loss_scale);
-    std::function<absl::Status()> arm;
-    if (overlap)
-      arm = [&]() -> absl::Status {
-        PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
-        armed = true;
-        return absl::OkStatus();
-      };
-    absl::StatusOr<LossSum> l = ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed,
-                                                          &pipeline_stats_, arm, timers_, microbatch_group_size_);
-    if (!l.ok()) {
-      if (armed) (void)model_->FinishGradReduction();  // waits for what was launched
-      return l.status();
-    }
-    local[0] = l->loss_sum;
-    local[1] = l->tokens;
+  PTK_ASSIGN_OR_RETURN(const LossSum losses,
+                       pipeline_ ? ForwardBackwardPipelined(micro_batches, scale_of, r.loss_scale, seed, &armed)
+                                 : ForwardBackwardMicroBatches(micro_batches, scale_of, r.loss_scale, seed));
+  local[0] = losses.loss_sum;
+  local[1] = losses.tokens;
+  PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
+  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
+  // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
+  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
+  r.loss_sum = local[0];
+  r.tokens = local[1];
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
+  PTK_RETURN_IF_ERROR(MeasureGrads(&r));
+  return r;
+}
+
+// Pipeline parallelism: the micro-batches through the stages' schedule, each scaled by `scale_of` x `loss_scale`;
+// with --overlap-grad-reduce `armed` says whether the schedule's last backward started the buckets' reduction.
+absl::StatusOr<LossSum> TrainStep::ForwardBackwardPipelined(const std::vector<ModelBatch>& micro_batches,
+                                                            const std::vector<double>& scale_of, double loss_scale,
+                                                            uint64_t seed, bool* armed) {
+  std::vector<double> scales;
+  for (const double scale : scale_of) scales.push_back(scale * loss_scale);
+  std::function<absl::Status()> arm;
+  if (!buckets_.empty())
+    arm = [&]() -> absl::Status {
+      PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
+      *armed = true;
+      return absl::OkStatus();
+    };
+  absl::StatusOr<LossSum> l = ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed,
+                                                        &pipeline_stats_, arm, timers_, microbatch_group_size_);
+  if (!l.ok()) {
+    if (*armed) (void)model_->FinishGradReduction();  // waits for what was launched
+    return l.status();
   }
-  for (size_t k = 0; k < micro_batches.size() && !pipeline_; ++k) {
+  return *l;
+}
+
+// One stage: each micro-batch's forward and backward, scaled by `scale_of` x `loss_scale`; with
+// --overlap-grad-reduce the last one's backward reduces the buckets. The losses, read once after the last.
+absl::StatusOr<LossSum> TrainStep::ForwardBackwardMicroBatches(const std::vector<ModelBatch>& micro_batches,
+                                                               const std::vector<double>& scale_of, double loss_scale,
+                                                               uint64_t seed) {
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
     const ModelBatch& mb = micro_batches[k];
     const double scale = scale_of[k];
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
-    const bool arm = overlap && k + 1 == micro_batches.size();
+    const bool arm = !buckets_.empty() && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
     // The losses are read once, after the last micro-batch (TakeLosses).
-    absl::Status s = model_->ForwardBackwardDeferred(mb, scale * r.loss_scale, /*train=*/true, seed);
+    absl::Status s = model_->ForwardBackwardDeferred(mb, scale * loss_scale, /*train=*/true, seed);
     if (arm) {
       const absl::Status timed = StartTimer(timers_, "all-grads-sync", 1);
       absl::Status reduced = model_->FinishGradReduction();
@@ -131,18 +156,11 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
       return s;
     }
   }
-  if (!pipeline_) {
-    PTK_ASSIGN_OR_RETURN(const LossSum losses, model_->TakeLosses());
-    local[0] = losses.loss_sum;
-    local[1] = losses.tokens;
-  }
-  PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
-  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
-  // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
-  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
-  r.loss_sum = local[0];
-  r.tokens = local[1];
-  PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
+  return model_->TakeLosses();
+}
+
+// ComputeGradients' end, on the reduced gradients: the grad norm, skipped and overflow, the count of zeros.
+absl::Status TrainStep::MeasureGrads(StepResult* r) {
   // Megatron's optimizer.step from here to ApplyUpdate's end: the norm (clip-main-grad: the clip
   // itself is folded into the inner step's one pass), the count of zeros, AdamW, ZeRO-1's gather.
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer", 1));
@@ -153,18 +171,18 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   // then the stages' parts (a last stage's embedding copy left out).
   if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, model_->tensor_comm()));
   if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, pipeline_));
-  r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
+  r->grad_norm = std::sqrt(sum_squares) / r->loss_scale;  // of the unscaled gradients
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-clip-main-grad"));
-  r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
+  r->skipped = !std::isfinite(r->grad_norm) || !std::isfinite(r->loss_sum);
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
   // NaN to stop the run for (a NaN loss still is one).
-  r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
-  if (count_zeros_ && !r.skipped) {
+  r->overflow = scaler_.dynamic() && !std::isfinite(r->grad_norm) && std::isfinite(r->loss_sum);
+  if (count_zeros_ && !r->skipped) {
     PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-count-zeros", 1));
-    PTK_ASSIGN_OR_RETURN(r.num_zeros_in_grad, CountZerosInGrad());
+    PTK_ASSIGN_OR_RETURN(r->num_zeros_in_grad, CountZerosInGrad());
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-count-zeros"));
   }
-  return r;
+  return absl::OkStatus();
 }
 
 // Megatron (megatron-core's forward_step_calc_loss, then the data x context reduction scaled by

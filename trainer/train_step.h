@@ -149,6 +149,18 @@ class TrainStep {
   // then the tied embeddings' copies summed over `embedding_` (`tied`: this
   // stage's).
   absl::Status FinalizeGrads(const GradRange& tied, bool armed, bool overlap);
+  // ComputeGradients' passes: this stage's part of the pipeline schedule (`armed`: the buckets' reduction started by
+  // its last backward), or without pipeline parallelism each micro-batch's forward and backward (the last one's
+  // reducing the buckets); each micro-batch's loss scaled by scale_of[k] x loss_scale. The losses of this rank.
+  absl::StatusOr<LossSum> ForwardBackwardPipelined(const std::vector<ModelBatch>& micro_batches,
+                                                   const std::vector<double>& scale_of, double loss_scale,
+                                                   uint64_t seed, bool* armed);
+  absl::StatusOr<LossSum> ForwardBackwardMicroBatches(const std::vector<ModelBatch>& micro_batches,
+                                                      const std::vector<double>& scale_of, double loss_scale,
+                                                      uint64_t seed);
+  // ComputeGradients' end, Megatron's optimizer.step before the update (the "optimizer" timer started, ApplyUpdate
+  // stops it): the grad norm over the whole model, skipped and overflow, --log-num-zeros-in-grad's count.
+  absl::Status MeasureGrads(StepResult* r);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
   // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).

@@ -1,5 +1,5 @@
-// The CPU model's activations, kept per layer for the backward pass (shared by cpu_gpt_model.cpp
-// and sequence_parallel_cpu.cpp; not part of the library's interface).
+// The CPU model's activations, kept per layer for the backward pass (shared by cpu_gpt_model.cpp,
+// cpu_gpt_model_pass.cpp and sequence_parallel_cpu.cpp; not part of the library's interface).
 #pragma once
 
 #include <cstdint>

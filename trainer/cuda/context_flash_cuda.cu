@@ -1,4 +1,4 @@
-// Context parallelism's fused attention on the device, between the pairs' cuDNN graphs (flash_attention_cuda.cpp):
+// Context parallelism's fused attention on the device, between the pairs' cuDNN graphs (context_flash_graphs.cpp):
 // a pair's partial output and log-sum-exp merged into the rank's fp32 output and stats (context_flash.h's
 // MergedOutput / MergedLse, in pair order), and a pair's dQ, dK, dV added to the rank's fp32 query gradient and
 // to its fp32 shares of the key/value chunks' gradients (ContextFlashViews' element maps). No atomics: every

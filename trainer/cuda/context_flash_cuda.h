@@ -1,4 +1,4 @@
-// flash_attention_cuda.cpp's context-parallel pairs: the cuDNN graphs of context_flash.h's plan (a header of its
+// context_flash_graphs.cpp's context-parallel pairs: the cuDNN graphs of context_flash.h's plan (a header of its
 // own, beside ops_cuda.h, so that the kernels' files do not depend on it).
 #pragma once
 

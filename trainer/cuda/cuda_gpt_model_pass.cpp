@@ -1,7 +1,7 @@
 // The CUDA model's pass: forward, the LM head and loss in chunks of rows (backward:
 // cuda_gpt_model_backward.cpp).
 //
-// Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model.cpp) over the CUDA ops,
+// Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model_pass.cpp) over the CUDA ops,
 // with the residual adds (and the hidden dropout in front of them) fused into the LayerNorms, the
 // GELU into fc1's epilogue, and the loss over the vocabulary computed in chunks of rows (the LM
 // head's backward runs chunk by chunk right after its loss, so no (tokens x vocabulary) matrix is

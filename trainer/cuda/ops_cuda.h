@@ -302,7 +302,8 @@ absl::Status AddContextShares(float* dqkv, const float* received, const float* o
 // With grouped-query attention (s.groups() < s.nh) qkv and dqkv are heads first (QkvGroupsToHeads:
 // Megatron's per-group order has no single head stride for cuDNN), cuDNN's SDPA over nh query heads
 // and groups key/value heads; without it, Megatron's layout itself (strided views, no copy).
-// The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model.
+// The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model (flash_graph_cache.cpp:
+// destroying it drops the graphs built with it).
 absl::Status CreateCudnnHandle(CudaContext* ctx);
 void DestroyCudnnHandle(CudaContext* ctx);
 // Bytes of ctx.workspace the forward and backward graphs of this shape ask for (the larger; cuDNN's

@@ -1,0 +1,136 @@
+// What the training run reports (Trainer, training_run.h): rank 0's lines, Megatron's training_log (--metrics-file,
+// TensorBoard's scalars, the log line and timers), the evaluations and --sample-interval's samples.
+#include "trainer/training_run.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "tensorboard/summary_writer.h"
+#include "trainer/counter_rng.h"
+#include "trainer/evaluation.h"
+#include "trainer/sampling.h"
+#include "trainer/timers.h"
+#include "trainer/training_log.h"
+
+namespace ptk {
+namespace training_detail {
+
+void Trainer::Print(const std::string& line) const {
+  if (lead_) PrintAnyRank(line);
+}
+
+void Trainer::PrintAnyRank(const std::string& line) const {
+  if (o_.print) {
+    o_.print(line);
+  } else {
+    std::fputs((line + "\n").c_str(), stdout);
+    std::fflush(stdout);
+  }
+}
+
+bool Trainer::LogsThisIteration(int64_t it) const {
+  return interval_.Due(it) || (!o_.tensorboard.dir.empty() && it % o_.tensorboard.log_interval == 0);
+}
+
+void Trainer::TensorBoardScalar(const std::string& tag, double value) {
+  outputs_.tb->AddScalar(tag, value, state_.iteration);
+  outputs_.tb->AddScalar(tag + " vs samples", value, state_.consumed_train_samples);
+}
+
+absl::Status Trainer::Log(const StepResult& r) {
+  const double lr_now = step_->scheduler().lr();  // Megatron logs the rate after the scheduler step
+  std::optional<double> params_norm;
+  if (o_.log_params_norm && LogsThisIteration(state_.iteration)) {
+    PTK_ASSIGN_OR_RETURN(params_norm, step_->ParamsNorm());
+  }
+  if (outputs_.metrics.is_open())
+    PTK_RETURN_IF_ERROR(outputs_.metrics.Append(fmt::format(
+        "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
+        "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
+        state_.iteration, state_.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
+        JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
+  if (outputs_.tb && state_.iteration % o_.tensorboard.log_interval == 0) {
+    TensorBoardScalar("learning-rate", lr_now);
+    TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
+    TensorBoardScalar("lm loss", r.lm_loss());
+    if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.next_loss_scale);
+    if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", world_->size());  // args.world_size
+    if (!r.skipped) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has none for a skipped step
+    if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
+    if (params_norm) TensorBoardScalar("params-norm", *params_norm);
+  }
+  if (!interval_.Due(state_.iteration)) return absl::OkStatus();
+  LogLineFields f;
+  f.iteration = state_.iteration;
+  f.train_iters = plan_.train_iters;
+  f.consumed_samples = state_.consumed_train_samples;
+  f.global_batch_size = current_gbs_;
+  interval_.Fill(r, FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
+  f.params_norm = params_norm;
+  f.learning_rate = lr_now;
+  Print(FormatLogLine(f, Timestamp()));
+  PTK_RETURN_IF_ERROR(LogTimers(
+      timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),
+      o_.tensorboard.log_timers ? outputs_.tb.get() : nullptr, [this](const std::string& text) { PrintAnyRank(text); },
+      interval_.Resets(state_.iteration)));
+  if (outputs_.tb) {
+    if (o_.tensorboard.log_timers && interval_.Resets(state_.iteration))
+      outputs_.tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
+    if (o_.tensorboard.log_timers && f.tflops_per_gpu)
+      outputs_.tb->AddScalar("throughput", *f.tflops_per_gpu, state_.iteration);
+    PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
+  }
+  interval_.Logged(state_.iteration);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<double>> Trainer::Evaluate(DataLoader* loader, const std::string& prefix,
+                                                        int64_t* consumed, const std::string& tb_tag, bool verbose) {
+  const IntervalPause paused(&interval_);  // no iteration's time, as in Megatron's train()
+  const std::vector<int64_t>* positions = context_ ? &context_positions_ : nullptr;
+  EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, positions, started_, nullptr};
+  if (verbose) pass.verbose = [this](const std::string& text) { Print(text); };
+  const auto t0 = Clock::now();
+  PTK_ASSIGN_OR_RETURN(const std::optional<double> loss, ptk::Evaluate(pass, o_, plan_, loader, prefix, consumed));
+  if (!loss) {
+    Print("Exiting during evaluation, timelimit reached");
+    return loss;
+  }
+  PTK_RETURN_IF_ERROR(
+      LogEvaluateTime(world_, Seconds(t0), timers_->option(), [this](const std::string& text) { PrintAnyRank(text); }));
+  const std::string line = ValidationLine(prefix, *loss), bar(line.size() + 1, '-');
+  Print(bar);
+  Print(line);
+  Print(bar);
+  if (outputs_.tb) {
+    TensorBoardScalar(tb_tag, *loss);
+    if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, *loss)));
+    PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
+  }
+  return loss;
+}
+
+absl::Status Trainer::Sample() {
+  if (rank_ != 0) return absl::OkStatus();  // every tensor rank and stage of data rank 0 runs it; lead_ prints
+  const IntervalPause paused(&interval_);
+  GenerateOptions g;
+  g.new_tokens = o_.sample.length;
+  g.temperature = o_.sample.temperature;
+  g.seed = Mix64(state_.seed ^ (static_cast<uint64_t>(state_.iteration) << 20));
+  PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_, &agreed_));
+  Print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state_.iteration,
+                    o_.sample.temperature > 0 ? fmt::format("temperature {}", o_.sample.temperature) : "greedy",
+                    o_.sample.prompt_text, o_.sample.decode(ids)));
+  return absl::OkStatus();
+}
+
+}  // namespace training_detail
+
+}  // namespace ptk

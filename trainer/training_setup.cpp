@@ -1,0 +1,175 @@
+// The training run's start-up (Trainer, training_run.h): the ranks' settings agreed, the model and its training
+// step made, --load's checkpoint, the datasets and the run's outputs opened.
+#include "trainer/training_run.h"
+
+#include <algorithm>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/logging.h"
+#include "common/status.h"
+#include "indexed_dataset/data_loader.h"
+#include "trainer/checkpoint.h"
+#include "trainer/memory_estimate.h"
+#include "trainer/parallel_layout.h"
+#include "trainer/param_shard.h"
+#include "trainer/run_settings.h"
+#include "trainer/timers.h"
+#include "trainer/training_data.h"
+#include "trainer/training_log.h"
+
+namespace ptk {
+namespace training_detail {
+
+absl::Status Trainer::SetUp() {
+  // Before any collective whose size depends on the flags.
+  settings_ = RunSettings(o_, plan_.global_batch_size);
+  PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
+  BackendOptions backend = o_.backend;
+  backend.micro_batch_size = plan_.micro_batch_size;
+  if (pipe_)  // RunTraining checked
+    backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank(), o_.pipeline_virtual_size);
+  if (backend.device == Device::kCpu) PTK_RETURN_IF_ERROR(CheckCpuMemory(backend));
+  PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
+  if (o_.use_distributed_optimizer) {
+    PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
+    PTK_RETURN_IF_ERROR(model_->ShardOptimizerState(shard));
+    if (dp_ == 1 && lead_)
+      log::Info(
+          "note: --use-distributed-optimizer: accepted, one rank keeps the whole optimizer state (it is sharded "
+          "over data-parallel ranks)");
+    else if (lead_)
+      log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp_,
+                shard.shard_size, model_->num_params());
+  }
+  PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
+  // Megatron's line from each tensor rank and stage of the first data-parallel rank.
+  if ((tensor_ || pipe_) && rank_ == 0)
+    PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
+                             tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
+  step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
+  if (context_) {
+    step_->set_context(context_);
+    context_positions_ = ContextParallelPositions(o_.model.seq_length, cp_, context_->rank());
+  }
+  if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm, o_.pipeline_microbatch_group_size);
+  std::function<absl::Status()> barrier;  // Megatron's barrier_with_L1_time, over the world
+  if (o_.barrier_with_l1_time) barrier = [world = world_] { return world->Barrier(); };
+  timers_ = std::make_unique<Timers>(
+      o_.timing_log_level, o_.timing_log_option, [model = model_.get()] { return model->Synchronize(); },
+      std::move(barrier));
+  step_->set_timers(timers_.get());
+  if (lead_ && !step_->buckets().empty()) {
+    int64_t largest = 0;
+    for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
+    log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
+              step_->buckets().size(), largest);
+  }
+  state_.seed = o_.seed;
+  // One training run per --save directory: a second (a requeue while the first still runs) stops
+  // here naming the first, instead of interleaving checkpoints with it.
+  if (lead_ && !o_.save.empty()) {
+    PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
+    PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::CheckCpuMemory(const BackendOptions& backend) {
+  const int T = tensor_ ? tensor_->size() : 1, t = tensor_ ? tensor_->rank() : 0;
+  PTK_ASSIGN_OR_RETURN(
+      const CpuTrainingMemory need,
+      EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
+                                plan_.micro_batch_size, plan_.micro_batches,
+                                !o_.save.empty() || !o_.load.empty() || !o_.pretrained_checkpoint.empty(),
+                                o_.pipeline_microbatch_group_size, /*threads=*/0, cp_));
+  Print(TheoreticalMemoryLine(need));
+  return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
+}
+
+absl::Status Trainer::Resume() {
+  if (o_.load.empty() && o_.pretrained_checkpoint.empty()) return absl::OkStatus();
+  // Every rank reads --load once rank 0 has put back what a killed save left aside.
+  if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
+  std::string load = o_.load;
+  bool finetune = o_.finetune;
+  absl::StatusOr<int64_t> latest =
+      load.empty() ? absl::NotFoundError("not given") : CheckpointToLoad(load, o_.ckpt_step);
+  if (absl::IsNotFound(latest.status()) && !o_.pretrained_checkpoint.empty()) {
+    latest = PretrainedCheckpointToLoad(o_, latest.status(), lead_);
+    load = o_.pretrained_checkpoint;
+    finetune = true;
+  } else if (absl::IsNotFound(latest.status())) {
+    return NoCheckpointToLoad(o_, latest.status(), lead_);
+  }
+  PTK_RETURN_IF_ERROR(latest.status());
+  TrainState loaded;
+  std::vector<float> params, m, v;
+  PTK_RETURN_IF_ERROR(LoadCheckpoint(load, *latest, model_->layout(), &params, &m, &v, &loaded));
+  PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, load, *latest, finetune || o_.no_load_optim));
+  PTK_RETURN_IF_ERROR(model_->WriteParams(params));
+  if (finetune) {
+    log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
+              *latest);
+    return absl::OkStatus();
+  }
+  state_ = loaded;
+  TrainStepState step_state = step_->State();
+  if (!o_.no_load_optim) {
+    // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
+    const size_t begin = static_cast<size_t>(model_->moments_begin()),
+                 size = static_cast<size_t>(model_->moments_size());
+    PTK_RETURN_IF_ERROR(model_->WriteMoments(std::span<const float>(m).subspan(begin, size),
+                                             std::span<const float>(v).subspan(begin, size)));
+    step_state.adam_step = loaded.adam_step;
+    step_state.loss_scale = loaded.loss_scale;
+  }
+  // Megatron's OptimizerParamScheduler.load_state_dict, its checks even where no iteration is left to train.
+  // Megatron loads it with the optimizer: under --no-load-optim it starts anew (num_steps 0, the warm-up again).
+  step_state.scheduler_num_steps = o_.no_load_optim ? 0 : loaded.scheduler_num_steps;
+  if (!o_.no_load_optim) {
+    PTK_ASSIGN_OR_RETURN(step_state.schedule, ResumedSchedule(loaded, plan_.schedule, o_.scheduler_on_load,
+                                                              o_.train_iters > 0 ? plan_.global_batch_size : 0, lead_));
+  }
+  step_->Restore(step_state);
+  if (o_.no_load_rng) state_.seed = o_.seed;
+  summary_.resumed = true;
+  if (lead_)
+    log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(load, *latest),
+              loaded.iteration, loaded.consumed_train_samples);
+  if (lead_) ReportResumeChanges(loaded.settings, settings_, loaded, o_.no_load_rng);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::OpenDataAndOutputs() {
+  PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_, pipe_));
+  for (const std::string& w : data_.warnings)
+    if (lead_) log::Warning("{}", w);
+  const int64_t mbs = plan_.micro_batch_size;
+  if (lead_)
+    log::Info(
+        "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s){}, global batch {}",
+        model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, data_size_,
+        cp_ > 1 ? fmt::format(" x {} context ranks (each {} positions of a sample)", cp_, o_.model.seq_length / cp_)
+                : "",
+        plan_.global_batch_size);
+  PTK_RETURN_IF_ERROR(
+      OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
+  train_loader_ = std::make_unique<DataLoader>(
+      data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, data_rank_, data_size_),
+      mbs);
+  PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
+  if (data_.valid)
+    valid_loader_ = std::make_unique<DataLoader>(
+        data_.valid,
+        PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, data_rank_, data_size_), mbs);
+  return absl::OkStatus();
+}
+
+}  // namespace training_detail
+
+}  // namespace ptk
