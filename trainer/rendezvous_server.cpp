@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include <fmt/core.h>
 
@@ -108,6 +109,38 @@ std::string JobWords(int world_size, const std::string& run_id) {
   return fmt::format("WORLD_SIZE {}, {}", world_size, run_id.empty() ? "no run id" : "run id " + run_id);
 }
 
+namespace {
+// The blob at `at` of `in` (a u32 length, then its bytes): its end, 0 while incomplete, npos when too long.
+size_t BlobAt(const std::string& in, size_t at, std::string* blob) {
+  uint32_t n = 0;
+  if (in.size() < at + 4) return 0;
+  std::memcpy(&n, in.data() + at, 4);
+  if (n > (64u << 20)) return std::string::npos;
+  if (in.size() < at + 4 + n) return 0;
+  blob->assign(in, at + 4, n);
+  return at + 4 + n;
+}
+}  // namespace
+
+bool TakeRequest(std::string* in, Request* request, bool* bad) {
+  *bad = false;
+  if (in->empty()) return false;
+  const char op = (*in)[0];
+  const bool valued = op == kSet || op == kHello;
+  if (!valued && op != kGet && op != kPeers && op != kAbortQuery && op != kInfo) {
+    *bad = true;
+    return false;
+  }
+  size_t end = BlobAt(*in, 1, &request->key);
+  if (valued && end != 0 && end != std::string::npos) end = BlobAt(*in, end, &request->value);
+  *bad = end == std::string::npos;
+  if (end == 0 || *bad) return false;
+  request->op = op;
+  if (!valued) request->value.clear();
+  in->erase(0, end);
+  return true;
+}
+
 }  // namespace rendezvous_detail
 
 using namespace rendezvous_detail;
@@ -162,6 +195,7 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
 void RendezvousServer::Drop(int fd, std::map<int, std::vector<std::string>>* waiting) {
   ::close(fd);
   waiting->erase(fd);
+  received_.erase(fd);
   clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
   if (auto it = registered_.find(fd); it != registered_.end()) {
     left_[it->second.rank] = it->second.host;
@@ -211,20 +245,28 @@ char RendezvousServer::Hello(int fd, const std::string& rank, const std::string&
   return kJoined;
 }
 
-bool RendezvousServer::Serve(int fd, std::map<int, std::vector<std::string>>* waiting) {
-  uint8_t op = 0;
-  std::string key, value;
-  if (!RecvAll(fd, &op, 1) || !RecvBlob(fd, &key)) return false;
-  switch (op) {
+bool RendezvousServer::Receive(int fd) {
+  // What has come, without waiting for the rest of a request: its sender may be stopped half-way
+  // (a rank that hangs, SIGSTOP) or slowed down, and the other ranks' requests are served meanwhile.
+  char buf[1 << 16];
+  const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+  if (n > 0) {
+    received_[fd].append(buf, static_cast<size_t>(n));
+    return true;
+  }
+  return n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+bool RendezvousServer::Serve(int fd, const Request& request, std::map<int, std::vector<std::string>>* waiting) {
+  const std::string& key = request.key;
+  switch (request.op) {
     case kSet:
-      if (!RecvBlob(fd, &value)) return false;
-      if (key == kAbortKey && abort_.empty()) abort_ = value;  // the first rank's reason
-      if (key != kAbortKey) kv_[key] = value;
+      if (key == kAbortKey && abort_.empty()) abort_ = request.value;  // the first rank's reason
+      if (key != kAbortKey) kv_[key] = request.value;
       return SendAll(fd, "k", 1);
     case kGet: (*waiting)[fd].push_back(key); return true;
     case kHello: {
-      if (!RecvBlob(fd, &value)) return false;
-      const char answer = Hello(fd, key, value);
+      const char answer = Hello(fd, key, request.value);
       return SendAll(fd, &answer, 1);
     }
     case kPeers: return SendBlob(fd, Peers());
@@ -252,7 +294,11 @@ void RendezvousServer::Loop() {
     }
     for (size_t i = 1; i < fds.size(); ++i) {
       if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      if (!Serve(fds[i].fd, &waiting)) Drop(fds[i].fd, &waiting);
+      const int fd = fds[i].fd;
+      bool ok = Receive(fd), bad = false;
+      Request request;
+      while (ok && TakeRequest(&received_[fd], &request, &bad)) ok = Serve(fd, request, &waiting);
+      if (!ok || bad) Drop(fd, &waiting);
     }
     for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
       auto& keys = it->second;

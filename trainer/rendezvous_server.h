@@ -67,10 +67,22 @@ bool ParseServerInfo(const std::string& text, ServerInfo* info);
 // "WORLD_SIZE 2, run id SLURM_JOB_ID=12 SLURM_STEP_ID=0" ("no run id" when empty).
 std::string JobWords(int world_size, const std::string& run_id);
 
+// One request as the server reads it off a client's connection.
+struct Request {
+  char op = 0;
+  std::string key, value;  // value: a set's and a hello's only
+};
+// The first whole request at the front of `in`, taken out of it; false while `in` holds only part of
+// one (the rest is still on its way). *bad for bytes that are no request (an unknown op, a blob over
+// 64 MiB).
+bool TakeRequest(std::string* in, Request* request, bool* bad);
+
 }  // namespace rendezvous_detail
 
 // Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
-// client whose connection closes is a rank that exited.
+// client whose connection closes is a rank that exited. A client's bytes are taken as they come and
+// a request served once whole: a rank stopped (or slowed down) half-way through sending one holds no
+// other rank's request.
 class RendezvousServer {
  public:
   ~RendezvousServer();
@@ -100,12 +112,15 @@ class RendezvousServer {
   std::string Info(const std::string& rank) const;
   // A hello's one-byte answer (kJoined...), registering the rank when it joins.
   char Hello(int fd, const std::string& rank, const std::string& value);
-  // One request of client `fd`; false when its connection is to be dropped.
-  bool Serve(int fd, std::map<int, std::vector<std::string>>* waiting);
+  // Takes what client `fd` has sent, without waiting; false once its connection closed or failed.
+  bool Receive(int fd);
+  // One whole request of client `fd`; false when its connection is to be dropped.
+  bool Serve(int fd, const rendezvous_detail::Request& request, std::map<int, std::vector<std::string>>* waiting);
   void Loop();
 
   int listen_fd_ = -1;
   std::vector<int> clients_;
+  std::map<int, std::string> received_;  // fd -> its bytes not yet taken as a whole request
   std::map<std::string, std::string> kv_;
   std::map<int, Client> registered_;  // fd -> the rank it registered as
   std::map<int, std::string> left_;   // rank -> host
