@@ -2,12 +2,19 @@
 // each element in rank order, whatever the pieces (empty ones, pieces of several rounds), and leaves
 // the other pieces alone; AllGather; AllReduceSum over a whole buffer, over its buckets and as
 // reduce-scatter + all-gather gives every element the same bits; the local communicator.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -18,6 +25,7 @@
 #include "trainer/comm.h"
 #include "trainer/distributed.h"
 #include "trainer/rendezvous.h"
+#include "trainer/rendezvous_server.h"
 
 namespace ptk {
 namespace {
@@ -336,6 +344,51 @@ TEST(Rendezvous, ARankZeroThatExitedIsSaidToHaveExited) {
 }
 
 // Two jobs on one MASTER_PORT: rendezvous_jobs_test.cpp.
+
+// A rank stopped, or slowed down, half-way through a request to rank 0's store held every other rank's:
+// the store read each request whole, waiting on its sender's connection, so one byte of a set from
+// rank 2 left rank 1's set and rank 0's get waiting until their timeout ("no answer within 10 s"), and
+// a rank that hangs there turned the others' diagnosis into "rank 0 ... does not answer". A request's
+// bytes are now taken as they come and it is served once whole.
+TEST(Rendezvous, ARankStoppedHalfWayThroughARequestHoldsNoOtherRank) {
+  using std::chrono::milliseconds;
+  namespace wire = rendezvous_detail;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  // Rank 2 by hand, its connection closed first when the test ends (the stores' server may wait on it).
+  struct Fd {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ~Fd() { ::close(fd); }
+  } two;
+  ASSERT_GE(two.fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(two.fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  char ack = 0;  // its hello answered: the store serves its connection
+  ASSERT_TRUE(wire::SendAll(two.fd, &wire::kHello, 1) && wire::SendBlob(two.fd, "2") &&
+              wire::SendBlob(two.fd, wire::HelloValue("rank-two", 3, "", ::getpid())) &&
+              wire::RecvAll(two.fd, &ack, 1));
+  ASSERT_EQ(ack, wire::kJoined);
+  ASSERT_TRUE(wire::SendAll(two.fd, &wire::kSet, 1));  // the first byte of a set, and no more for now
+  ASSERT_TRUE(stores[1]->Set("1", "address of rank 1").ok());
+  absl::StatusOr<std::string> got = stores[0]->Get("1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "address of rank 1");
+  // Rank 2 goes on: its set is served once whole.
+  ASSERT_TRUE(wire::SendBlob(two.fd, "2") && wire::SendBlob(two.fd, "address of rank 2") &&
+              wire::RecvAll(two.fd, &ack, 1));
+  EXPECT_EQ(ack, 'k');
+  got = stores[1]->Get("2");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "address of rank 2");
+}
 
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
 // training thread takes to enqueue each collective): it must not wait for another thread's request on
