@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "trainer/checkpoint.h"
 #include "trainer/param_layout.h"
 
 namespace ptk {
@@ -98,10 +99,15 @@ struct PtkCheckpoint {
   GPTConfig config;
   std::vector<float> params;  // in ParamLayout order
   std::vector<std::string> notes;
+  // With `with_optimizer`: AdamW's moments (ParamLayout order) and the run's state, from the same read.
+  std::vector<float> m1, m2;
+  TrainState state;
 };
 // `progress`: from kConvertLongStepBytes a line names the file before it is read and verified.
+// `with_optimizer`: the moments and the state kept (a Megatron export writes them; it read the whole
+// checkpoint a second time for them).
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0,
-                                                bool progress = false);
+                                                bool progress = false, bool with_optimizer = false);
 
 // ptk -> hf publishes the export whole: written into SAVE.ptk-tmp-PID beside --save-dir and swapped
 // in (renameat2 RENAME_EXCHANGE; two renames where the filesystem cannot exchange, the old export

@@ -406,15 +406,16 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   if (o.saver_transformer_impl != "transformer_engine" && o.saver_transformer_impl != "local")
     return UsageError(
         fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
-  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress));
+  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
+                       LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
   s.notes = ck.notes;
   s.source = ck.file;
   s.iteration = ck.iteration;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<float> params, m1, m2;
-  TrainState state;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load_dir, ck.iteration, layout, &params, &m1, &m2, &state));
+  // The weights, moments and state of the one read (it read the checkpoint a second time for them).
+  const std::vector<float>&params = ck.params, &m1 = ck.m1, &m2 = ck.m2;
+  const TrainState& state = ck.state;
   if (PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by) != c.padded_vocab_size)
     return UsageError(
         fmt::format("{}: a vocabulary of {} padded to {} is not a multiple of "
