@@ -17,6 +17,7 @@
 
 #include "common/human_format.h"
 #include "interop/safetensors.h"
+#include "interop/torch_dist.h"
 #include "tests/interop/hf_convert_fixture.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
@@ -187,6 +188,27 @@ TEST_F(ConvertProgress, MegatronExportSaysEachRankAndTheImportEachTensor) {
   }
   auto in_quiet = Convert(Dirs("megatron", "ptk", "meg", "in-quiet") + " --quiet");
   EXPECT_TRUE(ProgressLines(in_quiet.output).empty()) << in_quiet.output;
+}
+
+// torch_dist (megatron-core's checkpoints of tests/data/torch_dist_llama/): a line per tensor read, of the
+// checkpoint's tensors and stored bytes; with the distributed optimizer's grad buffers and without.
+TEST_F(ConvertProgress, TorchDistImportSaysEachTensor) {
+  for (const std::string name : {"plain_bf16_tp2", "distopt_tp2"}) {
+    const std::string fixture = ptk::testing::SourceDir() + "/tests/data/torch_dist_llama/" + name;
+    auto ck = torchdist::DistCheckpoint::Open(fixture + "/iter_0000003");
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    const std::string flags = "--loader megatron --saver ptk --load-dir " + ShellQuote(fixture) + " --save-dir ";
+    auto tty = Convert(flags + ShellQuote(dir_ / (name + "-in")));
+    ExpectEveryTensor(ProgressLines(tty.output), (*ck)->tensors().size(), (*ck)->TensorBytes(), tty.output);
+    auto quiet = Convert(flags + ShellQuote(dir_ / (name + "-quiet")) + " --quiet");
+    EXPECT_TRUE(ProgressLines(quiet.output).empty()) << quiet.output;
+    auto a = LoadPtkCheckpoint(dir_ / (name + "-in"), 0, false, /*with_optimizer=*/true);
+    auto b = LoadPtkCheckpoint(dir_ / (name + "-quiet"), 0, false, /*with_optimizer=*/true);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    EXPECT_EQ(a->params, b->params);
+    EXPECT_EQ(a->m1, b->m1);
+    EXPECT_EQ(a->m2, b->m2);
+  }
 }
 
 }  // namespace
