@@ -15,9 +15,11 @@
 #include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/human_format.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
+#include "common/progress.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "interop/hf_config.h"
@@ -128,8 +130,8 @@ HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_jso
 // The weights into `dir` as save_pretrained writes them: model.safetensors when they fit in one shard of
 // `max_shard_size`, else model-0000K-of-0000N.safetensors (the tensors assigned as
 // split_torch_state_dict_into_shards assigns them, each whole) and model.safetensors.index.json.
-absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsEntry>& entries,
-                          uint64_t max_shard_size) {
+absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsEntry>& entries, uint64_t max_shard_size,
+                          ProgressReporter* progress, bool say_files) {
   const std::map<std::string, std::string> kMetadata = {{"format", "pt"}};
   std::vector<uint64_t> sizes;
   for (const SafetensorsEntry& e : entries) sizes.push_back(e.data.size_bytes());
@@ -137,7 +139,8 @@ absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsE
   const int shards = shard.empty() ? 1 : 1 + *std::max_element(shard.begin(), shard.end());
   if (shards == 1) {
     PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
-    return WriteSafetensors(JoinPath(dir, hf_detail::kWeightsName), entries, kMetadata);
+    if (say_files) log::Info("convert: writing {} ({} tensors) ...", hf_detail::kWeightsName, entries.size());
+    return WriteSafetensors(JoinPath(dir, hf_detail::kWeightsName), entries, kMetadata, progress);
   }
   std::map<std::string, std::string> weight_map;
   uint64_t total = 0;
@@ -151,7 +154,8 @@ absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsE
         total += sizes[i];
       }
     PTK_RETURN_IF_ERROR(ExportStep("write " + name));
-    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, name), part, kMetadata));
+    if (say_files) log::Info("convert: writing {} ({} tensors) ...", name, part.size());
+    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, name), part, kMetadata, progress));
   }
   PTK_RETURN_IF_ERROR(ExportStep(std::string("write ") + hf_detail::kWeightsIndexName));
   return WriteFileAtomic(JoinPath(dir, hf_detail::kWeightsIndexName), hf_detail::ShardIndexJson(weight_map, total));
@@ -185,7 +189,17 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::stri
       {"merges.txt", &text.merges_txt}};
   absl::Status written = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(MakeDirs(tmp));
-    PTK_RETURN_IF_ERROR(WriteWeights(tmp, entries, max_shard_size));
+    // An 8B model's weights are tens of GB: the export says how far it is (it was silent until done).
+    uint64_t bytes_total = 0;
+    for (const SafetensorsEntry& e : entries) bytes_total += e.data.size_bytes();
+    ProgressReporter progress({.label = "convert",
+                               .item_unit = "tensors",
+                               .items_total = entries.size(),
+                               .bytes_total = bytes_total,
+                               .enabled = o.progress});
+    PTK_RETURN_IF_ERROR(
+        WriteWeights(tmp, entries, max_shard_size, &progress, o.progress && bytes_total >= kConvertLongStepBytes));
+    progress.Finish();
     for (const auto& [name, contents] : small) {
       PTK_RETURN_IF_ERROR(ExportStep("write " + name));
       PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(tmp, name), *contents));
@@ -208,7 +222,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::stri
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
   PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
-  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
+  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress));
   s.iteration = ck.iteration;
   s.source = ck.file;
   s.notes = ck.notes;
@@ -371,7 +385,7 @@ absl::Status ReadHfTensors(const hf_detail::HfWeights& weights, const GPTConfig&
           fmt::format("{}: tensor {} is there with and without the {} prefix", t.file->path(), full_name, kPrefix));
   }
   return hf_detail::ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights,
-                                       kPrefix, "GPT-2", tensors);
+                                       kPrefix, "GPT-2", tensors, weights.progress);
 }
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
@@ -462,7 +476,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   if (o.iteration == 0 && (o.global_batch_size > 0 || o.consumed_train_samples >= 0))
     return UsageError("--global-batch-size and --consumed-train-samples place an import at --iteration N (N > 0)");
   // model.safetensors, or the shards of model.safetensors.index.json: mapped, read tensor by tensor.
-  PTK_ASSIGN_OR_RETURN(const hf_detail::HfWeights weights, hf_detail::OpenHfWeights(o.load_dir, &s.notes));
+  PTK_ASSIGN_OR_RETURN(hf_detail::HfWeights weights, hf_detail::OpenHfWeights(o.load_dir, &s.notes));
+  // An 8B model's weights are tens of GB: the import says how far it is reading them.
+  ProgressReporter progress({.label = "convert", .item_unit = "tensors", .enabled = o.progress});
+  weights.progress = &progress;
   s.source = weights.source;
   PTK_ASSIGN_OR_RETURN(s.config,
                        ReadHfConfig(JoinPath(o.load_dir, "config.json"), o.make_vocab_size_divisible_by, &s.notes));
@@ -478,6 +495,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
     PTK_RETURN_IF_ERROR(ReadHfTensors(weights, c, &tensors));
     MapParams(layout, &params, &tensors, /*to_hf=*/false);
   }
+  progress.Finish();
   const std::vector<float> zeros(params.size(), 0.0f);
   TrainState state;
   state.seed = 1234;
@@ -504,6 +522,11 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration, /*with_moments=*/false));
+  // The weights and two moments, written, checksummed and synced: minutes for a large model.
+  if (const uint64_t bytes = 3 * params.size() * sizeof(float); o.progress && bytes >= kConvertLongStepBytes)
+    log::Info("convert: {} tensors read ({}) in {}; writing {} ({}) ...", progress.items(),
+              HumanBytes(static_cast<double>(progress.bytes())), HumanDuration(progress.ElapsedSeconds()),
+              CheckpointFile(o.save_dir, o.iteration), HumanBytes(static_cast<double>(bytes)));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
   save_dir.Keep();
   s.destination = CheckpointFile(o.save_dir, o.iteration);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "trainer/checkpoint.h"
 #include "trainer/param_layout.h"
 
 namespace ptk {
@@ -65,7 +66,14 @@ struct ConvertOptions {
   // then: consumed_train_samples, or iteration x global_batch_size (a run without batch ramp-up),
   // so that ptk-train --load resumes at iteration + 1 at that data position and schedule step.
   int64_t iteration = 0, global_batch_size = 0, consumed_train_samples = -1;
+  // A progress line (ProgressReporter "convert": tensors and bytes done of the total, rate, ETA) while
+  // an HF export writes its weights and an HF import reads them, and from 1 GiB a line before each long
+  // silent step (a checkpoint read and verified whole, a weights file or a checkpoint written);
+  // ptk-convert's --quiet clears it.
+  bool progress = false;
 };
+// The size from which ConvertOptions::progress says a step before it starts.
+inline constexpr uint64_t kConvertLongStepBytes = uint64_t{1} << 30;
 
 struct ConvertSummary {
   std::string source, destination;  // the files read and the directory written
@@ -91,8 +99,15 @@ struct PtkCheckpoint {
   GPTConfig config;
   std::vector<float> params;  // in ParamLayout order
   std::vector<std::string> notes;
+  // With `with_optimizer`: AdamW's moments (ParamLayout order) and the run's state, from the same read.
+  std::vector<float> m1, m2;
+  TrainState state;
 };
-absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0);
+// `progress`: from kConvertLongStepBytes a line names the file before it is read and verified.
+// `with_optimizer`: the moments and the state kept (a Megatron export writes them; it read the whole
+// checkpoint a second time for them).
+absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0,
+                                                bool progress = false, bool with_optimizer = false);
 
 // ptk -> hf publishes the export whole: written into SAVE.ptk-tmp-PID beside --save-dir and swapped
 // in (renameat2 RENAME_EXCHANGE; two renames where the filesystem cannot exchange, the old export

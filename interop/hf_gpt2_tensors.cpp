@@ -9,6 +9,7 @@
 
 #include <fmt/core.h>
 
+#include "common/progress.h"
 #include "common/status.h"
 #include "interop/hf_config.h"
 
@@ -144,13 +145,41 @@ void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vecto
   if (c.untie_embeddings_and_output_weights) vocab(kLmHead, layout.out_w);
 }
 
+namespace {
+
+// The tensors ReadPresentTensors reads and their bytes: `progress`'s totals.
+void SetReadTotals(const std::map<std::string, PresentTensor>& present, bool untied,
+                   const std::vector<HfTensor>& tensors, ProgressReporter* progress) {
+  uint64_t items = 0, bytes = 0;
+  auto add = [&](const std::string& name) {
+    if (auto it = present.find(name); it != present.end()) {
+      ++items;
+      bytes += it->second.tensor->end - it->second.tensor->begin;
+    }
+  };
+  for (const HfTensor& t : tensors) add(t.name);
+  if (!untied) add(kLmHead);
+  progress->SetTotals(items, bytes);
+}
+
+void Count(const SafetensorsTensor& t, ProgressReporter* progress) {
+  progress->AddItems(1);
+  progress->AddBytes(t.end - t.begin);
+  progress->Refresh();  // on a terminal the line says each tensor as it is read
+}
+
+}  // namespace
+
 absl::Status ReadPresentTensors(const std::string& weights_path, std::map<std::string, PresentTensor> present,
                                 bool untied, const std::string& prefix, const std::string& model,
-                                std::vector<HfTensor>* tensors) {
+                                std::vector<HfTensor>* tensors, ProgressReporter* progress) {
   auto shown = [&](const std::string& name) { return name == kLmHead ? name : prefix + name; };
   auto refuse = [&](const std::string& file, const std::string& tensor, const std::string& why) {
     return absl::DataLossError(fmt::format("{}: tensor {}: {}", file, tensor, why));
   };
+  ProgressReporter quiet({.label = "convert", .enabled = false});
+  if (progress == nullptr) progress = &quiet;
+  SetReadTotals(present, untied, *tensors, progress);
   for (HfTensor& t : *tensors) {
     auto it = present.find(t.name);
     if (it == present.end())
@@ -163,12 +192,14 @@ absl::Status ReadPresentTensors(const std::string& weights_path, std::map<std::s
     PTK_ASSIGN_OR_RETURN(t.data, file->ReadFloat(*found));
     for (float x : t.data)
       if (!std::isfinite(x)) return refuse(file->path(), shown(t.name), "holds a NaN or an infinity");
+    Count(*found, progress);
     present.erase(it);
   }
   if (!untied && present.count(kLmHead)) {
     // A tied model's file may carry the output layer too: it must be the embedding.
     const auto [file, head] = present.at(kLmHead);
     PTK_ASSIGN_OR_RETURN(std::vector<float> lm, file->ReadFloat(*head));
+    Count(*head, progress);
     if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
       return refuse(
           file->path(), kLmHead,

@@ -38,9 +38,10 @@ void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vecto
 // weights left out): each must be there with its shape and finite values, refused naming its file and
 // it as `prefix` + its name (kLmHead as it is). A tied model's kLmHead may be there only as a copy of
 // tensors[0] (the embedding); anything else left is refused, naming `model` (GPT-2's import and
-// Llama's share this).
+// Llama's share this). `progress`, when given, gets the tensors and bytes to read as its totals and counts
+// each one read.
 absl::Status ReadPresentTensors(const std::string& weights_path, std::map<std::string, PresentTensor> present,
                                 bool untied, const std::string& prefix, const std::string& model,
-                                std::vector<HfTensor>* tensors);
+                                std::vector<HfTensor>* tensors, ProgressReporter* progress = nullptr);
 
 }  // namespace ptk::hf_detail

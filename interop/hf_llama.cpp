@@ -469,7 +469,7 @@ absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std:
     present.emplace(name, t);
   }
   return ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights, "", "Llama",
-                            tensors);
+                            tensors, weights.progress);
 }
 
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c) {

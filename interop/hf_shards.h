@@ -54,6 +54,8 @@ struct HfWeights {
   std::string source;
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   std::map<std::string, PresentTensor> tensors;
+  // Counts each tensor read and its bytes (ReadPresentTensors sets its totals); nullptr: none.
+  ProgressReporter* progress = nullptr;
 };
 
 // Opens `load_dir`'s weights as from_pretrained picks them: model.safetensors when it is there (an index

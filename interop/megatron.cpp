@@ -21,6 +21,7 @@
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
 #include "interop/megatron_optim.h"
@@ -128,6 +129,7 @@ struct Import {
   const ConvertOptions& o;
   ConvertSummary& s;
   Shards& sh;
+  ProgressReporter* progress = nullptr;  // counts each parameter gathered
   const PyValue* args = nullptr;
   MegatronModel model;
   std::optional<ParamLayout> layout;
@@ -396,6 +398,10 @@ struct Import {
       std::copy(w.begin(), w.begin() + n, weights.begin() + m.info->offset);
       std::copy(a.begin(), a.begin() + n, m1.begin() + m.info->offset);
       std::copy(b.begin(), b.begin() + n, m2.begin() + m.info->offset);
+      if (progress != nullptr) {
+        progress->AddItems(1);
+        progress->Refresh();  // on a terminal the line says each parameter as it is gathered
+      }
     }
     for (float x : weights)
       if (!std::isfinite(x)) return Bad(s.source, "a weight is NaN or infinite");
@@ -514,7 +520,14 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   PTK_RETURN_IF_ERROR(im.CheckRanks());
   PTK_RETURN_IF_ERROR(im.CheckTiedCopy());
   im.CheckTiedDistribCopy();
-  PTK_RETURN_IF_ERROR(im.Gather());
+  {
+    // A large model's shards are tens of GB: the import says how far it is gathering them.
+    ProgressReporter progress(
+        {.label = "convert", .item_unit = "tensors", .items_total = im.params.size(), .enabled = o.progress});
+    im.progress = &progress;
+    PTK_RETURN_IF_ERROR(im.Gather());
+    im.progress = nullptr;
+  }
   im.Notes();
   PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible,
                                    im.have_moments, im.adam_step, im.weights, im.m1, im.m2, &s));

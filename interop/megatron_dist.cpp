@@ -14,6 +14,7 @@
 #include <fmt/core.h>
 
 #include "common/file_paths.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
 #include "interop/megatron_optim.h"
@@ -255,12 +256,7 @@ class DistImport {
     weights_.assign(static_cast<size_t>(layout_->num_params), 0.0f);
     m1_.assign(weights_.size(), 0.0f);
     m2_.assign(weights_.size(), 0.0f);
-    PTK_RETURN_IF_ERROR(ReadWeights());
-    if (!grad_buffers_.empty()) {
-      PTK_RETURN_IF_ERROR(ReadGradBuffers());
-    } else if (!optimizer_keys_.empty()) {
-      PTK_RETURN_IF_ERROR(ReadModelSpace());
-    }
+    PTK_RETURN_IF_ERROR(ReadTensors());
     if (have_masters_) low_precision_ = false;
     for (size_t i = 0; i < weights_.size(); ++i)
       if (!std::isfinite(weights_[i])) return Bad(meta_, fmt::format("weight element {} is NaN or infinite", i));
@@ -415,6 +411,24 @@ class DistImport {
       const int64_t start = layer >= 0 ? layer * per_layer : 0;
       std::copy(v.begin() + start, v.begin() + start + m->info->size, dst.begin() + m->info->offset);
     }
+  }
+
+  // The weights and the optimizer's state, with a progress line (tensors and bytes of the checkpoint's).
+  absl::Status ReadTensors() {
+    ProgressReporter progress({.label = "convert",
+                               .item_unit = "tensors",
+                               .items_total = ck_->tensors().size(),
+                               .bytes_total = ck_->TensorBytes(),
+                               .enabled = o_.progress});
+    ck_->SetProgress(&progress);
+    absl::Status st = ReadWeights();
+    if (st.ok() && !grad_buffers_.empty()) {
+      st = ReadGradBuffers();
+    } else if (st.ok() && !optimizer_keys_.empty()) {
+      st = ReadModelSpace();
+    }
+    ck_->SetProgress(nullptr);
+    return st;
   }
 
   absl::Status ReadWeights() {

@@ -21,6 +21,7 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
 #include "interop/megatron_export_args.h"
@@ -75,6 +76,7 @@ struct Export {
       : o(o_), c(c_), state(state_), params(params_), m1(m1_), m2(m2_) {}
   const ConvertOptions& o;
   const GPTConfig& c;
+  ProgressReporter* progress = nullptr;  // counts each rank's files written
   const TrainState& state;
   const std::vector<float>& params;
   const std::vector<float>& m1;
@@ -300,6 +302,12 @@ struct Export {
         const std::string dir = JoinPath(tmp_dir, RankDir(t, p, pp));
         PTK_RETURN_IF_ERROR(MakeDirs(dir));
         PTK_RETURN_IF_ERROR(WriteRank(t, p, dir));
+        if (progress != nullptr) {
+          progress->AddItems(1);
+          for (const char* name : {kFile, "distrib_optim.pt"})
+            if (auto size = FileSize(JoinPath(dir, name)); size.ok()) progress->AddBytes(*size);
+          progress->Refresh();  // on a terminal the line says each rank as it is written
+        }
       }
     PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
     const bool replacing = PathExists(final_dir);
@@ -431,14 +439,23 @@ absl::StatusOr<int64_t> CheckExportTarget(const ConvertOptions& o, const GPTConf
 
 // The iteration's directory, written aside and renamed into place in --save-dir (taken for the export, what killed
 // exports left swept away, with a note each in `notes`). The directory written.
-absl::StatusOr<std::string> SaveExport(const Export& ex, const ConvertOptions& o, std::vector<std::string>* notes) {
+absl::StatusOr<std::string> SaveExport(Export& ex, const ConvertOptions& o, std::vector<std::string>* notes) {
   SaveDirectory save_dir;  // locked; a failed export (a full disk) leaves no --save-dir it made
   PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert"));
   PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, notes));
   const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", ex.state.iteration));
   const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
   const std::string old_dir = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());
-  if (absl::Status st = ex.WriteAndPublish(tmp_dir, final_dir, old_dir); !st.ok()) {
+  // A large model's ranks are tens of GB: the export says how far it is (it was silent until done).
+  ProgressReporter progress({.label = "convert",
+                             .item_unit = "ranks",
+                             .items_total = static_cast<uint64_t>(ex.tp * ex.pp),
+                             .enabled = o.progress});
+  ex.progress = &progress;
+  absl::Status written = ex.WriteAndPublish(tmp_dir, final_dir, old_dir);
+  progress.Finish();
+  ex.progress = nullptr;
+  if (absl::Status st = std::move(written); !st.ok()) {
     absl::Status undo = RemoveAll(tmp_dir);
     if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
     if (!PathExists(final_dir) && PathExists(old_dir)) (void)RenameFile(old_dir, final_dir);
@@ -456,15 +473,16 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   if (o.saver_transformer_impl != "transformer_engine" && o.saver_transformer_impl != "local")
     return UsageError(
         fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
-  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
+  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
+                       LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
   s.notes = ck.notes;
   s.source = ck.file;
   s.iteration = ck.iteration;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<float> params, m1, m2;
-  TrainState state;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load_dir, ck.iteration, layout, &params, &m1, &m2, &state));
+  // The weights, moments and state of the one read (it read the checkpoint a second time for them).
+  const std::vector<float>&params = ck.params, &m1 = ck.m1, &m2 = ck.m2;
+  const TrainState& state = ck.state;
   PTK_ASSIGN_OR_RETURN(const int64_t vp, CheckExportTarget(o, c, ck.file));
   Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;

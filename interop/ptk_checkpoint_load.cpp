@@ -11,7 +11,9 @@
 
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/human_format.h"
 #include "common/json_keys.h"
+#include "common/logging.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "interop/hf_gpt2.h"
@@ -104,7 +106,8 @@ double SettingOr(const CheckpointHeader& h, const std::string& flag, double fall
 
 }  // namespace
 
-absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size) {
+absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size, bool progress,
+                                                bool with_optimizer) {
   PtkCheckpoint out;
   PTK_ASSIGN_OR_RETURN(out.iteration, LatestCheckpointIteration(load_dir));
   out.file = CheckpointFile(load_dir, out.iteration);
@@ -134,9 +137,14 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<float> m, v;
-  TrainState state;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &m, &v, &state));
+  // The weights and AdamW's moments, checksummed whole: minutes for a large model.
+  if (auto size = FileSize(out.file); progress && size.ok() && *size >= kConvertLongStepBytes)
+    log::Info("convert: reading and verifying {} ({}) ...", out.file, HumanBytes(static_cast<double>(*size)));
+  PTK_RETURN_IF_ERROR(LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &out.m1, &out.m2, &out.state));
+  if (!with_optimizer) {
+    std::vector<float>().swap(out.m1);
+    std::vector<float>().swap(out.m2);
+  }
   out.config = c;
   return out;
 }

@@ -13,6 +13,7 @@
 #include "common/atomic_file.h"
 #include "common/json_keys.h"
 #include "common/json_writer.h"
+#include "common/progress.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -60,7 +61,7 @@ int64_t SafetensorsTensor::num_elements() const {
 }
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata, ProgressReporter* progress) {
   std::string header = "{\"__metadata__\":{";
   bool first = true;
   for (const auto& [k, v] : metadata) {
@@ -96,7 +97,14 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   PTK_RETURN_IF_ERROR(w->Write(le, 8));
   PTK_RETURN_IF_ERROR(w->Write(header));
   static_assert(std::endian::native == std::endian::little, "safetensors is little-endian");
-  for (const SafetensorsEntry& e : entries) PTK_RETURN_IF_ERROR(w->Write(e.data.data(), e.data.size_bytes()));
+  for (const SafetensorsEntry& e : entries) {
+    PTK_RETURN_IF_ERROR(w->Write(e.data.data(), e.data.size_bytes()));
+    if (progress != nullptr) {
+      progress->AddItems(1);
+      progress->AddBytes(e.data.size_bytes());
+      progress->Refresh();  // on a terminal the line says each tensor as it is written
+    }
+  }
   return w->Commit();
 }
 

@@ -17,6 +17,8 @@
 
 namespace ptk {
 
+class ProgressReporter;
+
 // A tensor to write: fp32, row-major.
 struct SafetensorsEntry {
   std::string name;
@@ -25,9 +27,10 @@ struct SafetensorsEntry {
 };
 
 // Writes `entries` (in this order, data and header alike) under a temporary name, fsyncs and
-// renames onto `path`. The header's tensors follow "__metadata__".
+// renames onto `path`. The header's tensors follow "__metadata__". `progress`, when given, counts each
+// tensor and its bytes as they are written (and redraws its line on a terminal).
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                              const std::map<std::string, std::string>& metadata);
+                              const std::map<std::string, std::string>& metadata, ProgressReporter* progress = nullptr);
 
 struct SafetensorsTensor {
   std::string name;

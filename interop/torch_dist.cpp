@@ -8,6 +8,7 @@
 
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/progress.h"
 #include "common/status.h"
 
 namespace ptk::torchdist {
@@ -247,7 +248,19 @@ absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& 
       }
     }
   }
+  if (progress_ != nullptr) {
+    progress_->AddItems(1);
+    for (const Chunk& c : e.chunks) progress_->AddBytes(c.length);
+    progress_->Refresh();  // on a terminal the line says each tensor as it is read
+  }
   return out;
+}
+
+uint64_t DistCheckpoint::TensorBytes() const {
+  uint64_t bytes = 0;
+  for (const auto& [key, e] : tensors_)
+    for (const Chunk& c : e.chunks) bytes += c.length;
+  return bytes;
 }
 
 }  // namespace ptk::torchdist

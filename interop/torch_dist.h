@@ -19,6 +19,10 @@
 #include "common/mmap_file.h"
 #include "interop/torch_format.h"
 
+namespace ptk {
+class ProgressReporter;
+}
+
 namespace ptk::torchdist {
 
 struct Chunk {
@@ -55,6 +59,10 @@ class DistCheckpoint {
   // chunk whose archive does not hold a tensor of the chunk's shape are refused naming the file, the
   // byte offset and the key.
   absl::StatusOr<std::vector<float>> ReadFloat(const std::string& key);
+  // Counts each tensor ReadFloat reads and its stored bytes (its chunks' items); nullptr: none.
+  void SetProgress(ProgressReporter* progress) { progress_ = progress; }
+  // The stored bytes of every tensor (their chunks' items): a progress's total.
+  uint64_t TensorBytes() const;
 
  private:
   absl::StatusOr<const MappedFile*> File(const std::string& relative, const std::string& key);
@@ -65,6 +73,7 @@ class DistCheckpoint {
   std::vector<std::string> byte_items_;
   std::map<std::string, Chunk> byte_chunks_;
   std::map<std::string, std::unique_ptr<MappedFile>> files_;
+  ProgressReporter* progress_ = nullptr;
 };
 
 }  // namespace ptk::torchdist

@@ -1,6 +1,7 @@
 // ptk-convert: ptk checkpoints <-> Hugging Face GPT-2 directories and Megatron checkpoints (its
 // torch format), with the flags of Megatron's tools/checkpoint/convert.py (--model-type, --loader,
 // --saver, --load-dir, --save-dir, --target-tensor/pipeline-parallel-size).
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -8,6 +9,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "common/human_format.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -166,6 +168,8 @@ int main(int argc, char** argv) {
   app->add_option("--consumed-train-samples", o.consumed_train_samples,
                   "hf -> ptk with --iteration N: the samples the run had consumed (with batch ramp-up)")
       ->check(ptk::cli::IntIn(0, int64_t{1} << 50));
+  bool quiet = false;
+  app->add_flag("--quiet", quiet, "No progress output");
   CompatFlags compat;
   AddCompatFlags(*app, &compat);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
@@ -177,15 +181,18 @@ int main(int argc, char** argv) {
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);
     o.args_json = args.EndArray().str();
+    o.progress = !quiet;
+    const auto start = std::chrono::steady_clock::now();
     PTK_ASSIGN_OR_RETURN(ptk::ConvertSummary s, ptk::RunConvert(o));
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (const std::string& n : s.notes) ptk::log::Info("note: {}", n);
     const auto& c = s.config;
     ptk::log::Info(
         "converted {} (iteration {}) -> {}: {} layers, hidden {}, {} heads, ffn {}, {} positions, vocabulary {}{}, "
-        "{} parameters",
+        "{} parameters, in {}",
         s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
         c.max_position_embeddings, c.vocab_size, c.untie_embeddings_and_output_weights ? ", untied output layer" : "",
-        s.num_params);
+        s.num_params, ptk::HumanDuration(took));
     if (!s.train_flags.empty() && (o.loader == "megatron" || o.iteration > 0))
       ptk::log::Info("resume training with: ptk-train {} --load {} ... (the batch and schedule flags of the {} run)",
                      s.train_flags, o.save_dir, o.loader == "megatron" ? "Megatron" : "original (--seq-length too)");
