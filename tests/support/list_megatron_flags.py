@@ -1,5 +1,5 @@
 """Writes every flag Megatron-LM's pretrain_gpt.py accepts (tests/data/trainer/megatron_gpt_flags.txt):
-one line per option string, "--flag" and whether it takes a value ("value" or "none"), sorted.
+one line per option string, "--flag" and what it takes: "none", "value", or "values" (one or more), sorted.
 
 It runs Megatron's own parser builder, megatron.training.arguments.add_megatron_arguments (what
 parse_args calls for pretrain_gpt.py; its extra_args_provider, NVIDIA ModelOpt's flags, is given only
@@ -55,7 +55,7 @@ def main():
         for opt in action.option_strings:
             if not opt.startswith("--") or opt == "--help":
                 continue
-            rows[opt] = "none" if action.nargs == 0 else "value"
+            rows[opt] = "none" if action.nargs == 0 else "values" if action.nargs in ("+", "*") else "value"
     lines = [f"{flag} {kind}\n" for flag, kind in sorted(rows.items())]
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
