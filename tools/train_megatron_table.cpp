@@ -58,7 +58,7 @@ constexpr Group kGroups[] = {
      "--max-tokens-to-oom= --mlp-chunks-for-prefill= --nccl-all-reduce-for-prefill "
      "--no-inference-wandb-logging --symmetric-ar-type= --use-legacy-static-engine"},
     {false, "communication tuning (buckets, overlap, streams, process groups, buffer registration): ptk's collectives are its own (same results)",
-     "--create-all-gather-group --ddp-num-buckets= --ddp-pad-buckets-for-high-nccl-busbw "
+     "--create-all-gather-group --ddp-average-in-collective --ddp-num-buckets= --ddp-pad-buckets-for-high-nccl-busbw "
      "--defer-embedding-wgrad-compute --delay-wgrad-compute "
      "--disable-clone-scatter-output-in-embedding --disable-gloo-process-groups "
      "--disable-symmetric-registration --distributed-timeout-seconds-after-init= "
@@ -110,6 +110,10 @@ constexpr Group kGroups[] = {
      "--disable-fp8-wgrad --no-fp8-wgrad"},
     {false, "the activation functions are ptk's own (the same functions)",
      "--use-te-activation-func"},
+    {false, "only Megatron's BERT and SentencePiece tokenizers read it; its GPT2BPETokenizer, as ptk-train's, does not",
+     "--vocab-extra-ids="},
+    {false, "the GPT-2 tokenizer has no pad token: no token is masked as padding either way",
+     "--allow-ambiguous-pad-tokens"},
     {false, "no ONNX export here",
      "--onnx-safe="},
     {false, "only read with --optimizer sgd; ptk's optimizer is Adam",
@@ -255,6 +259,10 @@ constexpr Group kGroups[] = {
      "--model-parallel-size="},
     {true, "--checkpoint-activations is no longer valid in Megatron; use --recompute-activations",
      "--checkpoint-activations"},
+    {true, "a given padded vocabulary size is not implemented: the vocabulary is padded to a multiple of --make-vocab-size-divisible-by times --tensor-model-parallel-size, as Megatron does without this flag",
+     "--padded-vocab-size="},
+    {true, "batch-invariant kernels are not implemented",
+     "--batch-invariant-mode"},
     {true, "encoder-decoder models are not implemented; give --num-layers and --seq-length",
      "--decoder-num-layers= --decoder-seq-length= --encoder-num-layers= --encoder-seq-length="},
     {true, "the Muon optimizer (and its QK-clip) is not implemented; ptk's optimizer is Adam",
