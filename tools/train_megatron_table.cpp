@@ -92,7 +92,8 @@ constexpr Group kGroups[] = {
      "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness= "
      "--distrib-optim-fully-reshardable-mem-efficient --no-ckpt-fully-parallel-save --use-dist-ckpt"},
     {false, "this check is not run here (--check-for-nan-in-loss-and-grad, the default, stops on a NaN or infinite loss or gradient norm)",
-     "--check-for-large-grads --check-for-spiky-loss --check-weight-hash-across-dp-replicas-interval="},
+     "--check-for-large-grads --check-for-spiky-loss --check-weight-hash-across-dp-replicas-interval= "
+     "--rerun-mode= --result-rejected-tracker-filename="},
     {false, "the dataset indices are ptk's own, read through mmap (the same samples)",
      "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
      "--exit-signal-handler-for-dataloader --no-data-sharding"},
@@ -114,6 +115,8 @@ constexpr Group kGroups[] = {
      "--vocab-extra-ids="},
     {false, "the GPT-2 tokenizer has no pad token: no token is masked as padding either way",
      "--allow-ambiguous-pad-tokens"},
+    {false, "Megatron's training code does not read it",
+     "--sample-rate="},
     {false, "no ONNX export here",
      "--onnx-safe="},
     {false, "only read with --optimizer sgd; ptk's optimizer is Adam",
