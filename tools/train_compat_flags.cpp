@@ -167,6 +167,11 @@ absl::Status RefuseOtherModel(const TrainFlags& f) {
       if (other.empty()) first_is_model = r.other_model;
       other.emplace_back(it->second.empty() ? it->first : it->first + " " + it->second, r.why);
     }
+  for (const auto& [name, value] : f.refused)  // the rest of Megatron's flags refused (train_megatron_table.cpp)
+    if (const char* why = MegatronTableReason(name, true)) {
+      if (other.empty()) first_is_model = false;
+      other.emplace_back(value.empty() ? name : name + " " + value, why);
+    }
   if (other.empty()) return absl::OkStatus();
   std::string also;
   for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
@@ -179,10 +184,13 @@ absl::Status RefuseOtherModel(const TrainFlags& f) {
 }
 
 void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes) {
-  for (const auto& [name, value] : f.compat)
+  for (const auto& [name, value] : f.compat) {
+    const char* note = MegatronTableReason(name, false);
     for (const CompatFlag& c : kCompatFlags)
-      if (name == c.name)
-        notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
+      if (name == c.name) note = c.note;
+    if (note != nullptr)
+      notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, note));
+  }
 }
 
 }  // namespace ptk::train_flags

@@ -82,6 +82,11 @@ inline constexpr const char* kCheckpointForcedFlags[] = {
 void AddModelRefusalFlags(CLI::App* app, TrainFlags* f);
 // Megatron's flags that change only speed or memory, never results: accepted, noted by NoteCompatFlags.
 void AddCompatFlags(CLI::App* app, TrainFlags* f);
+// The rest of Megatron's pretrain_gpt.py flags (train_megatron_table.cpp): accepted with a note or refused,
+// each with its reason. MegatronTableReason: the reason of a flag of that table noted (refuse false) or
+// refused (refuse true); nullptr for any other flag.
+void AddMegatronTableFlags(CLI::App* app, TrainFlags* f);
+const char* MegatronTableReason(const std::string& name, bool refuse);
 // A usage error naming every refused model flag given (the first with its reason); OK when none is.
 absl::Status RefuseOtherModel(const TrainFlags& f);
 // A note for each compatibility flag given: "--flag [value]: accepted, why it changes nothing".

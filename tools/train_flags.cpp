@@ -186,7 +186,8 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", o.save, "Checkpoint directory to write");
   app->add_option("--load", o.load, "Checkpoint directory to resume from");
-  app->add_option("--save-interval", o.save_interval, "Save every N iterations")->check(IntIn(0, kMaxCount));
+  app->add_option("--save-interval,--persistent-save-interval", o.save_interval, "Save every N iterations")
+      ->check(IntIn(0, kMaxCount));
   app->add_option("--exit-interval", o.exit_interval, "Save and exit when the iteration is a multiple of N")
       ->check(IntIn(0, kMaxCount));
   app->add_option("--exit-duration-in-mins", o.exit_duration_in_mins,
@@ -208,9 +209,10 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
                   "Load the checkpoint of this iteration from --load instead of the one its "
                   "latest_checkpointed_iteration.txt names")
       ->check(IntIn(0, kMaxCount));
-  app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,
+  app->add_flag("--override-opt_param-scheduler,--override-opt-param-scheduler", f->override_opt_param_scheduler,
                 "On resume, take the learning-rate schedule of this command line where the checkpoint's differs");
-  app->add_flag("--use-checkpoint-opt_param-scheduler", f->use_checkpoint_opt_param_scheduler,
+  app->add_flag("--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler",
+                f->use_checkpoint_opt_param_scheduler,
                 "On resume, keep the checkpoint's learning-rate schedule where this command line's differs (default: "
                 "stop, naming what differs)");
   app->add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad",
@@ -375,6 +377,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddPrecisionFlags(app, f);
   AddParallelFlags(app, f);
   train_flags::AddCompatFlags(app, f);
+  train_flags::AddMegatronTableFlags(app, f);
   AddMoreTrainFlags(app, f);
 }
 

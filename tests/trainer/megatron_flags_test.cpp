@@ -465,6 +465,21 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--swiglu --disable-bias-linear --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
       {"--squared-relu --disable-bias-linear", kTaken, ""},
       {"--squared-relu --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
+      // Megatron flags that were bare unknown flags (megatron_flag_list_test now covers all of pretrain_gpt.py's),
+      // some suggesting an unrelated flag: refused naming what is missing, or noted where nothing changes.
+      {"--fp32-residual-connection", kRefused,
+       "--fp32-residual-connection: a choice of precision for the residual connections is not implemented"},
+      {"--log-straggler", kNoted, "--log-straggler: accepted, this log or monitor is not kept here"},
+      {"--use-torch-fsdp2", kRefused, "--use-torch-fsdp2: FSDP is not implemented"},
+      {"--non-persistent-save-interval 100", kRefused,
+       "--non-persistent-save-interval 100: non-persistent (local) checkpoints are not written"},
+      {"--use-precision-aware-optimizer", kRefused,
+       "--use-precision-aware-optimizer: TransformerEngine's precision-aware optimizer is not implemented"},
+      {"--hierarchical-context-parallel-sizes 2 2", kRefused,
+       "--hierarchical-context-parallel-sizes 2 2: this parallelism is not implemented"},
+      {"--profile-ranks 0 1 --disable-jit-fuser", kNoted, "--profile-ranks 0 1: accepted"},
+      // Megatron's other spellings of flags ptk has
+      {"--persistent-save-interval 10000", kNoted, "--save-interval 10000 without --save: nothing is saved"},
   };
   const std::string tiny = testing::Tool("ptk-train") +
                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --lr 1e-3"
