@@ -333,11 +333,33 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
   // join as clients (TORCHELASTIC_USE_AGENT_STORE=True). ptk's rank 0 serves a rendezvous of its own: on the
   // next port, the same for every rank (on MASTER_PORT itself every torchrun launch failed 'Address already in
   // use').
-  if (t.source == "torchrun variables" && env("TORCHELASTIC_USE_AGENT_STORE") == "True")
+  if (t.source == "torchrun variables" && env("TORCHELASTIC_USE_AGENT_STORE") == "True") {
+    t.torchrun_store_port = t.master_port;
     t.master_port = t.master_port < 65535 ? t.master_port + 1 : t.master_port - 1;
+  }
   PTK_RETURN_IF_ERROR(ReadRanksOnNode(&t));
   t.run_id = RunIdFromEnv(t);
   return t;
+}
+
+namespace {
+
+// Why the rendezvous is not on MASTER_PORT under torchrun: "MASTER_PORT 29500 + 1: torchrun's store holds 29500".
+std::string TorchrunPortNote(int port, int store_port) {
+  return fmt::format("MASTER_PORT {} {} 1: torchrun's store holds {}", store_port, port > store_port ? '+' : '-',
+                     store_port);
+}
+
+}  // namespace
+
+std::string RendezvousPortWords(int port, int torchrun_store_port) {
+  if (torchrun_store_port == 0 || torchrun_store_port == port) return fmt::format("MASTER_PORT {}", port);
+  return fmt::format("port {} ({})", port, TorchrunPortNote(port, torchrun_store_port));
+}
+
+std::string RendezvousAddressWords(const std::string& addr, int port, int torchrun_store_port) {
+  if (torchrun_store_port == 0 || torchrun_store_port == port) return fmt::format("{}:{}", addr, port);
+  return fmt::format("{}:{} ({})", addr, port, TorchrunPortNote(port, torchrun_store_port));
 }
 
 }  // namespace ptk

@@ -39,7 +39,10 @@ struct TrainingRanks {
   int ranks_on_node = 0;
   std::string ranks_on_node_source;  // the variable it came from
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int master_port = 29500;  // where the ranks meet (rank 0's rendezvous)
+  // Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True): MASTER_PORT, which its agent's store holds, master_port
+  // being the port beside it; 0 otherwise (master_port is MASTER_PORT).
+  int torchrun_store_port = 0;
   std::string source = "single process";  // "torchrun variables", "srun", "single process"
   // This launch's identity, the same on every rank of the launch and another for any other launch,
   // which rank 0's rendezvous compares (two jobs on one MASTER_ADDR:MASTER_PORT never meet):
@@ -52,6 +55,14 @@ struct TrainingRanks {
   std::string run_id;
 };
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv();
+
+// The rendezvous port `port` as every message names it: "MASTER_PORT 29500", or under torchrun
+// (`torchrun_store_port` = TrainingRanks::torchrun_store_port, not 0) "port 29501 (MASTER_PORT 29500 + 1:
+// torchrun's store holds 29500)", so that a user checks the port really held and picks a MASTER_PORT that
+// does not clash. RendezvousAddressWords: "node1:29500", or under torchrun "node1:29501 (MASTER_PORT 29500 + 1:
+// torchrun's store holds 29500)".
+std::string RendezvousPortWords(int port, int torchrun_store_port);
+std::string RendezvousAddressWords(const std::string& addr, int port, int torchrun_store_port);
 
 // CPU threads for one training rank, and why (for the start-up note). An explicit --threads
 // (`flag_threads` > 0) wins; `warning` then says when it is more than the default below would be

@@ -171,6 +171,7 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
   d.local_rank = ranks.local_rank;
   d.master_addr = ranks.master_addr;
   d.master_port = ranks.master_port;
+  d.torchrun_store_port = ranks.torchrun_store_port;
   d.run_id = ranks.run_id;
   if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
   d.timeout = timeout;
@@ -252,7 +253,7 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
         tp, pp);
   std::fflush(stdout);
   if (world.size() > 1)
-    ptk::log::Info("{}{}data parallel: {} ranks{} ({}), {}, rendezvous at {}:{}",
+    ptk::log::Info("{}{}data parallel: {} ranks{} ({}), {}, rendezvous at {}",
                    tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
                    layout.context_size() > 1 ? fmt::format("context parallel: {} ranks x ", layout.context_size()) : "",
                    layout.data_size(),
@@ -262,7 +263,8 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
                                                           options.pipeline_virtual_size)
                                             : "")
                           : "",
-                   ranks.source, world.backend(), ranks.master_addr, ranks.master_port);
+                   ranks.source, world.backend(),
+                   ptk::RendezvousAddressWords(ranks.master_addr, ranks.master_port, ranks.torchrun_store_port));
   for (const std::string& n : notes) ptk::log::Info("note: {}", n);
   for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
 }

@@ -17,6 +17,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include "common/slurm_env.h"
 #include "common/status.h"
 #include "trainer/gloo_peer_watch.h"
 #include "trainer/rendezvous.h"
@@ -345,8 +346,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
     return absl::InvalidArgumentError(fmt::format("rank {} of {}: not a valid rank", o.rank, o.world_size));
   auto comm = std::make_unique<GlooCommunicator>();
-  PTK_ASSIGN_OR_RETURN(
-      comm->store_, RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout, o.run_id));
+  PTK_ASSIGN_OR_RETURN(comm->store_, RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port,
+                                                              o.timeout, o.run_id, o.torchrun_store_port));
   comm->gloo_store_ = std::make_shared<GlooStore>(comm->store_.get());
   try {
     gloo::transport::tcp::attr attr;
@@ -370,8 +371,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
       comm->store_->ServeUntilAllHeard(std::min<std::chrono::milliseconds>(o.timeout, std::chrono::minutes(1)));
       return comm->gloo_store_->early_failure();
     }
-    return absl::UnavailableError(fmt::format("rank {} of {}: rendezvous at {}:{} failed: {}", o.rank, o.world_size,
-                                              o.master_addr, o.master_port, e.what()));
+    return absl::UnavailableError(
+        fmt::format("rank {} of {}: rendezvous at {} failed: {}", o.rank, o.world_size,
+                    RendezvousAddressWords(o.master_addr, o.master_port, o.torchrun_store_port), e.what()));
   }
   return std::unique_ptr<Communicator>(std::move(comm));
 }

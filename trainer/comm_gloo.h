@@ -21,6 +21,9 @@ struct GlooOptions {
   int rank = 0, world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // MASTER_PORT under torchrun (TrainingRanks::torchrun_store_port), master_port being beside it; 0 otherwise:
+  // how messages name the port (RendezvousPortWords).
+  int torchrun_store_port = 0;
   // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
   // rank of another (RendezvousStore::Connect).
   std::string run_id;

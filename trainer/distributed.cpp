@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
     n.local_rank = o.local_rank;
     n.master_addr = o.master_addr;
     n.master_port = o.world_size == 1 ? 0 : o.master_port;
+    n.torchrun_store_port = o.torchrun_store_port;
     n.run_id = o.run_id;
     n.timeout = o.timeout;
     n.on_stuck = o.on_stuck;
@@ -47,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
   g.world_size = o.world_size;
   g.master_addr = o.master_addr;
   g.master_port = o.master_port;
+  g.torchrun_store_port = o.torchrun_store_port;
   g.run_id = o.run_id;
   g.iface = o.gloo_iface;
   g.timeout = o.timeout;

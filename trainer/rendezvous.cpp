@@ -19,6 +19,7 @@
 #include <fmt/core.h>
 
 #include "common/logging.h"
+#include "common/slurm_env.h"
 #include "common/status.h"
 #include "trainer/rendezvous_server.h"
 
@@ -127,8 +128,10 @@ std::string PortHolder(int port, bool* ptk) {
 absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int rank, int world_size,
                                                                           const std::string& master_addr, int port,
                                                                           std::chrono::milliseconds timeout,
-                                                                          const std::string& run_id) {
+                                                                          const std::string& run_id,
+                                                                          int torchrun_store_port) {
   std::unique_ptr<RendezvousStore> s(new RendezvousStore());
+  s->torchrun_store_port_ = torchrun_store_port;
   s->rank_ = rank;
   s->world_size_ = world_size;
   s->timeout_ = timeout;
@@ -136,13 +139,13 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   s->run_id_ = run_id;
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    if (absl::Status started = s->server_->Start(port, world_size, run_id); !started.ok()) {
+    if (absl::Status started = s->server_->Start(port, world_size, run_id, torchrun_store_port); !started.ok()) {
       if (s->server_->bind_errno() != EADDRINUSE) return started;
       bool ptk = false;
       const std::string holder = PortHolder(port, &ptk);
       return absl::FailedPreconditionError(
-          fmt::format("rank 0: MASTER_PORT {} on this host is held by {}, this job being {}: {}", port, holder,
-                      JobWords(world_size, run_id),
+          fmt::format("rank 0: {} on this host is held by {}, this job being {}: {}",
+                      RendezvousPortWords(port, torchrun_store_port), holder, JobWords(world_size, run_id),
                       ptk ? "give each job a MASTER_PORT of its own" : "give this job a free MASTER_PORT"));
     }
     port = s->server_->port();  // port 0 (one rank alone): the free one it got
@@ -172,9 +175,9 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   }
   if (s->fd_ < 0)
     return absl::DeadlineExceededError(
-        fmt::format("rendezvous: rank 0 at {}:{} did not answer within {} s ({}); is rank 0 running, "
+        fmt::format("rendezvous: rank 0 at {} did not answer within {} s ({}); is rank 0 running, "
                     "MASTER_ADDR/MASTER_PORT right?",
-                    host, port, timeout.count() / 1000, last));
+                    RendezvousAddressWords(host, port, torchrun_store_port), timeout.count() / 1000, last));
   return s;
 }
 
@@ -183,10 +186,10 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
   // is not one, or hangs.
   const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(10), timeout_);
   SetReceiveTimeout(fd_, wait);
-  const std::string where = fmt::format("{}:{}", addr, port);
-  const std::string not_ptk = fmt::format(
-      "another program or job holds MASTER_PORT {}; give this job a MASTER_PORT of its own (or stop what holds it)",
-      port);
+  const std::string where = RendezvousAddressWords(addr, port, torchrun_store_port_);
+  const std::string not_ptk =
+      fmt::format("another program or job holds {}; give this job a MASTER_PORT of its own (or stop what holds it)",
+                  RendezvousPortWords(port, torchrun_store_port_));
   const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid());
   char ack = 0;
   const absl::Status hello = Request(kHello, std::to_string(rank_), &value, nullptr, &ack);
@@ -229,16 +232,17 @@ absl::Status RendezvousStore::RefusedByRankZero(const std::string& where, int po
       known ? fmt::format("host {}, pid {}; {}", info.host, info.pid, JobWords(info.world_size, info.run_id))
             : "it did not say whose";
   if (ack == kOtherJob)
-    return absl::FailedPreconditionError(fmt::format(
-        "rendezvous: the rank 0 at {} is another job's ({}), not this rank's ({}): two jobs use MASTER_PORT {}; give "
-        "each job a MASTER_PORT of its own",
-        where, theirs, mine, port));
+    return absl::FailedPreconditionError(
+        fmt::format("rendezvous: the rank 0 at {} is another job's ({}), not this rank's ({}): two jobs use {}; give "
+                    "each job a MASTER_PORT of its own",
+                    where, theirs, mine, RendezvousPortWords(port, torchrun_store_port_)));
   const std::string holder =
       known && info.rank_pid > 0 ? fmt::format(" (host {}, pid {})", info.rank_host, info.rank_pid) : "";
   return absl::FailedPreconditionError(fmt::format(
       "rendezvous: the rank 0 at {} ({}) already has a rank {} connected{}: another job launched alike ({}) uses "
-      "MASTER_PORT {}, or rank {} was started twice; give each job a MASTER_PORT of its own{}",
-      where, theirs, rank_, holder, mine, port, rank_, run_id_.empty() ? " and a run id (PTK_RUN_ID)" : ""));
+      "{}, or rank {} was started twice; give each job a MASTER_PORT of its own{}",
+      where, theirs, rank_, holder, mine, RendezvousPortWords(port, torchrun_store_port_), rank_,
+      run_id_.empty() ? " and a run id (PTK_RUN_ID)" : ""));
 }
 
 absl::Status RendezvousStore::Request(char op, const std::string& key, const std::string* value, std::string* reply,

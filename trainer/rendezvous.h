@@ -39,11 +39,13 @@ class RendezvousStore {
   // none within 10 s, or closing three times); a rank 0 whose port another process holds (named: a
   // ptk rank 0 and its job, or not ptk). A store that a rank of this number joined and left refuses
   // it too (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a
-  // fresh rank 0 serves, or the timeout.
+  // fresh rank 0 serves, or the timeout. Every message names the port as RendezvousPortWords does
+  // (`torchrun_store_port`: TrainingRanks's, MASTER_PORT under torchrun, `port` being beside it; 0 otherwise).
   static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(int rank, int world_size,
                                                                   const std::string& master_addr, int port,
                                                                   std::chrono::milliseconds timeout,
-                                                                  const std::string& run_id = "");
+                                                                  const std::string& run_id = "",
+                                                                  int torchrun_store_port = 0);
 
   // For a rank about to exit with `failure` found before the ranks met (its own flag checks): tells
   // the others through rank 0's store, so that every rank's rendezvous (each get, waiting or to
@@ -126,6 +128,7 @@ class RendezvousStore {
   int fd_ = -1;
   int rank_ = 0, world_size_ = 1;
   std::string host_, run_id_;
+  int torchrun_store_port_ = 0;  // Connect's: how messages name the port (RendezvousPortWords)
   std::chrono::milliseconds timeout_{0};
   std::mutex mu_;                       // one request at a time on the connection (held through the round trip)
   std::atomic<bool> diagnosed_{false};  // DiagnosePeers ran (on a watchdog's thread, perhaps)

@@ -14,6 +14,7 @@
 
 #include <fmt/core.h>
 
+#include "common/slurm_env.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -152,7 +153,7 @@ RendezvousServer::~RendezvousServer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);
 }
 
-absl::Status RendezvousServer::Start(int port, int world_size, const std::string& run_id) {
+absl::Status RendezvousServer::Start(int port, int world_size, const std::string& run_id, int torchrun_store_port) {
   world_size_ = world_size;
   run_id_ = OneField(run_id);
   char host[256] = {};
@@ -180,7 +181,8 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
   }
   if (rc != 0) {
     bind_errno_ = errno;
-    return ErrnoToStatus(errno, fmt::format("rank 0: rendezvous on MASTER_PORT {}", port));
+    return ErrnoToStatus(errno,
+                         fmt::format("rank 0: rendezvous on {}", RendezvousPortWords(port, torchrun_store_port)));
   }
   if (::listen(listen_fd_, 512) != 0) return ErrnoToStatus(errno, "rendezvous listen");
   sockaddr_storage bound{};

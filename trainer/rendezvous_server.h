@@ -88,8 +88,8 @@ class RendezvousServer {
   ~RendezvousServer();
   // Listens on `port` (0: any free one) of every interface, for the ranks of a job of `world_size`
   // ranks launched as `run_id` (RendezvousStore::Connect). A port another process holds: kUnavailable,
-  // and bind_errno() is EADDRINUSE.
-  absl::Status Start(int port, int world_size, const std::string& run_id);
+  // and bind_errno() is EADDRINUSE. Errors name the port as RendezvousPortWords does (`torchrun_store_port`).
+  absl::Status Start(int port, int world_size, const std::string& run_id, int torchrun_store_port = 0);
 
   // Connected ranks (for rank 0's exit after a failure: the others may still ask what happened).
   int live() const { return live_; }

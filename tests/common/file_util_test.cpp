@@ -528,6 +528,21 @@ TEST(TrainingRanksFromEnv, UnderTorchrunTheRendezvousIsBesideItsAgentsStore) {
   env.back().second = "True";
   env[4].second = "65535";
   EXPECT_EQ(with(env)->master_port, 65534);
+  EXPECT_EQ(with(env)->torchrun_store_port, 65535);
+  EXPECT_EQ(torchrun->torchrun_store_port, 29500);
+  EXPECT_EQ(by_hand->torchrun_store_port, 0);
+}
+
+// Every rendezvous message names the port the ranks really meet at: under torchrun not MASTER_PORT (its
+// agent's store holds it) but the port beside it, saying why, so that a user checks that port and gives the
+// next job a MASTER_PORT that does not clash. Before, they said "MASTER_PORT 29501" with MASTER_PORT 29500.
+TEST(RendezvousPortWords, UnderTorchrunTheyNameThePortBesideMasterPort) {
+  EXPECT_EQ(RendezvousPortWords(29500, 0), "MASTER_PORT 29500");
+  EXPECT_EQ(RendezvousAddressWords("node1", 29500, 0), "node1:29500");
+  EXPECT_EQ(RendezvousPortWords(29501, 29500), "port 29501 (MASTER_PORT 29500 + 1: torchrun's store holds 29500)");
+  EXPECT_EQ(RendezvousAddressWords("node1", 29501, 29500),
+            "node1:29501 (MASTER_PORT 29500 + 1: torchrun's store holds 29500)");
+  EXPECT_EQ(RendezvousPortWords(65534, 65535), "port 65534 (MASTER_PORT 65535 - 1: torchrun's store holds 65535)");
 }
 
 // The ranks sharing this machine, for the CPU memory check: torchrun's LOCAL_WORLD_SIZE; srun's

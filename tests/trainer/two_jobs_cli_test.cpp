@@ -113,6 +113,38 @@ class TwoJobsCli : public ::testing::Test {
     return lines == 1;
   }
 
+  // A listener on `port` that accepts and never answers; ranks 0 and 1 started with MASTER_PORT `master_port` and
+  // `env` (torchrun's, say), which name the port `port_words` and the address `where` (RendezvousPortWords,
+  // RendezvousAddressWords).
+  void HeldByAProgramThatIsNotPtk(int port, int master_port, const std::string& env, const std::string& port_words,
+                                  const std::string& where) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::listen(fd, 16), 0);  // the kernel completes the connections; nobody reads them
+    const Run r = Script(env + Start("s", 0, master_port, "") + env + Start("s", 1, master_port, "") + Wait("s", 0) +
+                         Wait("s", 1));
+    ::close(fd);
+    const std::string logs = r.out + Logs({"s0", "s1"});
+    EXPECT_EQ(r.Rc("s0"), 1) << logs;
+    EXPECT_EQ(r.Rc("s1"), 1) << logs;
+    EXPECT_TRUE(SaysOnce(Read("s0"), "rank 0: " + port_words +
+                                         " on this host is held by a program that did not answer ptk's question within "
+                                         "2 s (not a ptk rendezvous, or a ptk rank 0 that hangs), this job being "
+                                         "WORLD_SIZE 2, no run id: give this job a free MASTER_PORT"))
+        << logs;
+    EXPECT_TRUE(SaysOnce(Read("s1"), "rendezvous: what listens at " + where +
+                                         " did not answer ptk's hello within 10 s: not a ptk rank 0 (or one that "
+                                         "hangs); another program or job holds " +
+                                         port_words))
+        << logs;
+  }
+
   testing::TempDir dir_;
   std::string host_;
 };
@@ -203,30 +235,19 @@ TEST_F(TwoJobsCli, TwoJobsStartedTogetherNeverMix) {
 // waiting for the rendezvous timeout (a minute here).
 TEST_F(TwoJobsCli, APortHeldByAProgramThatIsNotPtkStopsTheJobNamingIt) {
   const int port = testing::FreeTestPort();
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(fd, 16), 0);  // the kernel completes the connections; nobody reads them
-  const Run r = Script(Start("s", 0, port, "") + Start("s", 1, port, "") + Wait("s", 0) + Wait("s", 1));
-  ::close(fd);
-  const std::string logs = r.out + Logs({"s0", "s1"});
   const std::string p = std::to_string(port);
-  EXPECT_EQ(r.Rc("s0"), 1) << logs;
-  EXPECT_EQ(r.Rc("s1"), 1) << logs;
-  EXPECT_TRUE(
-      SaysOnce(Read("s0"), "rank 0: MASTER_PORT " + p +
-                               " on this host is held by a program that did not answer ptk's question within 2 s (not "
-                               "a ptk rendezvous, or a ptk rank 0 that hangs), this job being WORLD_SIZE 2, no run id: "
-                               "give this job a free MASTER_PORT"))
-      << logs;
-  EXPECT_TRUE(SaysOnce(Read("s1"), "rendezvous: what listens at 127.0.0.1:" + p +
-                                       " did not answer ptk's hello within 10 s: not a ptk rank 0 (or one that hangs)"))
-      << logs;
+  HeldByAProgramThatIsNotPtk(port, port, "", "MASTER_PORT " + p, "127.0.0.1:" + p);
+}
+
+// The same under torchrun (its variables, TORCHELASTIC_USE_AGENT_STORE=True: its agent's store holds
+// MASTER_PORT, the ranks meet on the port beside it): the messages name the port held, MASTER_PORT + 1, and why.
+// Before, they said "MASTER_PORT <that port>", which is not MASTER_PORT: a user checked the wrong port.
+TEST_F(TwoJobsCli, UnderTorchrunThePortHeldIsNamedAsMasterPortPlusOne) {
+  const int port = testing::FreeTestPort();  // the rendezvous's; MASTER_PORT (torchrun's store) is the one below
+  const std::string p = std::to_string(port), m = std::to_string(port - 1);
+  const std::string why = " (MASTER_PORT " + m + " + 1: torchrun's store holds " + m + ")";
+  HeldByAProgramThatIsNotPtk(port, port - 1, "TORCHELASTIC_USE_AGENT_STORE=True LOCAL_WORLD_SIZE=2 ", "port " + p + why,
+                             "127.0.0.1:" + p + why);
 }
 
 }  // namespace
