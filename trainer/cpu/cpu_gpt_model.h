@@ -108,6 +108,11 @@ class CpuGPTModel final : public GPTModel {
   // output, a column-parallel product's input gradient); nothing at one tensor rank.
   absl::Status TensorSum(float* x, int64_t count);
   bool tp() const { return tensor_size() > 1; }
+  // Layer l's attention backward, shared by both passes: from act_->datt (the attention output's
+  // gradient, this rank's heads) to act_->dqkv (the QKV product's), the probabilities recomputed
+  // under --recompute-activations, context-parallel or not, through RoPE and the QK norms.
+  absl::Status LayerAttentionBackward(int64_t l, const LayerParams& lp, const AttentionShape& shape, double ap,
+                                      uint64_t seed);
   // Sequence parallelism's passes (sequence_parallel_cpu.cpp) and their collectives: this rank's
   // rows of a (b, t, c) buffer to and from the whole; a partial whole summed into this rank's rows.
   absl::Status RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);

@@ -158,6 +158,27 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
   return absl::OkStatus();
 }
 
+absl::Status CpuGPTModel::LayerAttentionBackward(int64_t l, const LayerParams& lp, const AttentionShape& shape,
+                                                 double ap, uint64_t seed) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+  if (cf.recompute_activations && cp())  // recompute the probabilities; the output lands in a scratch buffer
+    PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
+  else if (cf.recompute_activations)
+    cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+  if (cp())
+    PTK_RETURN_IF_ERROR(
+        ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
+  else
+    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
+  if (cf.rope())
+    cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
+                      cf.rotary_interleaved);
+  QKNormLayerBackward(cf, a, l, params_.data(), grads_.data(), lp, shape);
+  return absl::OkStatus();
+}
+
 // Under tensor parallelism the LayerNorms, the position embeddings and the row-parallel biases are
 // held whole by every tensor rank, and their gradients come out the same on every one without a
 // reduction: each is computed from the residual stream's gradient and activations, which every
@@ -209,20 +230,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
                         n, ct, c);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
-    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    if (cf.recompute_activations && cp())  // recompute the probabilities; the output lands in a scratch buffer
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
-    else if (cf.recompute_activations)
-      cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    if (cp())
-      PTK_RETURN_IF_ERROR(
-          ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
-    else
-      cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
-    if (cf.rope())
-      cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
-                        cf.rotary_interleaved);
-    QKNormLayerBackward(cf, a, l, P, G, lp, shape);
+    PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
                         shape.qkv_width());

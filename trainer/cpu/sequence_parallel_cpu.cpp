@@ -259,20 +259,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
-    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    if (cf.recompute_activations && cp())
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
-    else if (cf.recompute_activations)
-      cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    if (cp())
-      PTK_RETURN_IF_ERROR(
-          ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
-    else
-      cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
-    if (cf.rope())
-      cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
-                        cf.rotary_interleaved);
-    QKNormLayerBackward(cf, a, l, P, G, lp, shape);
+    PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), whole, P + lp.qkv_w, n, c,

@@ -61,14 +61,30 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2
 }
 
 template <typename T>
+absl::Status CudaGPTModelImpl<T>::AttentionBranchBackward(int64_t l, const T* dproj, double ap, uint64_t seed,
+                                                          bool proj_bias) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  const AttentionShape shape = Shape();
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width();
+  T *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
+  PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
+                         MatmulBackward<T>(datt, Grad(lp.proj_w), proj_bias ? Grad(lp.proj_b) : nullptr, dproj,
+                                           Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
+  PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+  PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
+  return Op("matmul", "qkv backward",
+            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), n,
+                              c, qw, ctx_));
+}
+
+template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   if (sequence_parallel_) return RunBackwardSequenceParallel(train, seed);  // cuda_sequence_parallel.cpp
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
-  const AttentionShape shape = Shape();
   // L: the stage's layers (the embedding's dropout streams); the selected chunk's are [l0, l1).
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers(),
-                l0 = chunk_layer_begin(), l1 = chunk_layer_end();
+  const int64_t n = n_, c = cf.hidden_size, L = StageLayers(), l0 = chunk_layer_begin(), l1 = chunk_layer_end();
   const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   const bool tp = tensor_size() > 1;
@@ -78,8 +94,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   // every rank holds with the same bits (the column-parallel products' input gradients are summed
   // over the group by NCCL, whose all-reduce leaves the same bits on every rank).
   const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
-  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv),
-    *datt = Buf<T>(plan_.datt);
+  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln);
   float* scratch = Buf<float>(plan_.ln_scratch);
   // Fused hidden dropout: each LayerNorm's backward also writes the masked gradient of the branch
   // below it into dtmp (the embedding's into dresid itself), where the branch's backward reads it.
@@ -115,14 +130,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     if (!fuse) {
       PTK_ASSIGN_OR_RETURN(dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
     }
-    PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
-                                             Compute(lp.proj_w), n, ct, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
-    PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
-                           MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                             Compute(lp.qkv_w), n, c, qw, ctx_)));
+    PTK_RETURN_IF_ERROR(AttentionBranchBackward(l, dproj, ap, seed));
     if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel QKV
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
@@ -248,6 +256,8 @@ absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const Att
 
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2_bias);                     \
+  template absl::Status CudaGPTModelImpl<T>::AttentionBranchBackward(int64_t l, const T* dproj, double ap,             \
+                                                                     uint64_t seed, bool proj_bias);                   \
   template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
   template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
                                                                     int64_t site, double p, uint64_t seed);            \

@@ -480,6 +480,10 @@ class CudaGPTModelImpl final : public GPTModel {
   // A layer's MLP backward, from the gradient of its output (dmlp) to fc1's input gradient in dln;
   // fc2's bias gradient from dmlp unless `fc2_bias` is false (sequence parallelism: SeqBranchGrad's).
   absl::Status MlpBackward(int64_t l, const T* dmlp, bool fc2_bias = true);
+  // A layer's attention backward, from the gradient of its output (dproj) through the output
+  // projection, attention, RoPE and the query and key norms to the QKV product's input gradient in
+  // dln; the projection's bias gradient from dproj unless `proj_bias` is false (as MlpBackward's).
+  absl::Status AttentionBranchBackward(int64_t l, const T* dproj, double ap, uint64_t seed, bool proj_bias = true);
   // The gradient a residual branch's backward starts from: the residual gradient itself where no
   // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
   // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy

@@ -249,15 +249,13 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
-  const AttentionShape shape = Shape();
   const int Tn = tensor_size();
   // L: the stage's layers (the embedding's dropout streams); the selected model chunk's are [l0, l1).
-  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(),
-                L = StageLayers(), l0 = chunk_layer_begin(), l1 = chunk_layer_end();
+  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, L = StageLayers(), l0 = chunk_layer_begin(),
+                l1 = chunk_layer_end();
   const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv),
-    *datt = Buf<T>(plan_.datt);
+  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln);
 
   layer_ = -1;
   // A stage (or chunk) before the last starts from the next one's gradient of this rank's rows,
@@ -281,14 +279,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
                                         lp.ln2_w, lp.ln2_b));
     // Attention: resid_mid = resid[l] + dropout(proj(attention(rope(qkv(ln1(resid[l]))))))
     PTK_RETURN_IF_ERROR(SeqBranchGrad(l, kAttentionOutDropout, hp, seed, lp.proj_b));
-    PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                           MatmulBackward<T>(datt, Grad(lp.proj_w), static_cast<float*>(nullptr), dtmp,
-                                             Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // RoPE's and the query and key norms' backward
-    PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
-                           MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                             Compute(lp.qkv_w), n, c, qw, ctx_)));
+    PTK_RETURN_IF_ERROR(AttentionBranchBackward(l, dtmp, ap, seed, /*proj_bias=*/false));
     PTK_RETURN_IF_ERROR(SeqNormBackward("ln1 backward", dln, Act(plan_.resid, l, nl * c), Stats(plan_.ln1_stats, l),
                                         lp.ln1_w, lp.ln1_b));
     GradsReady(static_cast<size_t>(L - l));  // layer l

@@ -204,6 +204,34 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
   }
 }
 
+// The passes' scratch buffers (their gradients, backward's partial sums) and the RoPE tables: `nr` the
+// residual stream's rows on this rank, ct, qw and f this rank's attention, QKV and ffn widths,
+// `grouped` whether query groups differ from heads.
+void AddScratchBuffers(const GPTConfig& cf, const PlanOptions& o, int64_t nr, int64_t c, int64_t ct, int64_t qw,
+                       int64_t f, bool grouped, const char* rows_note, const std::string& act_lower, Adder& add) {
+  MemoryPlan& m = *add.m;
+  const int64_t n = m.n, t = m.t, a = m.act_bytes, ff = (cf.swiglu ? 2 : 1) * f;
+  // The projections' outputs (n, c); fp32 attention recomputed in backward writes its (n, ct) output here too.
+  m.tmp = add("scratch: projection output", n * std::max(c, ct) * a, act_lower);
+  m.dresid = add(fmt::format("scratch: residual gradient{}", rows_note), nr * c * a, act_lower);
+  m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
+  m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
+  m.dff = add("scratch: MLP gradient", n * ff * a, act_lower);
+  m.dqkv = add("scratch: QKV gradient", n * qw * a, act_lower);
+  m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
+  m.attn_scratch =
+      add("scratch: attention backward", m.RowsAttention() ? o.attention_scratch_floats * 4 : 0, act_lower);
+  m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
+  if (cf.qk_layernorm)
+    m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
+  if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
+  if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
+  if (!m.RowsAttention() && grouped) {
+    m.qkv_heads = add("scratch: QKV heads first (grouped-query fused attention)", n * qw * a, act_lower);
+    m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
+  }
+}
+
 // The options' shape checks: the sequence, the tensor slices, the chunks, the parameter counts.
 absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const PlanOptions& o, int64_t t) {
   if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
@@ -295,25 +323,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
   m.losses = add("per-token losses", n * 4);
   m.dloss = add("per-token loss weights", n * 4);
-  // The projections' outputs (n, c); fp32 attention recomputed in backward writes its (n, ct) output here too.
-  m.tmp = add("scratch: projection output", n * std::max(c, ct) * a, act_lower);
-  m.dresid = add(fmt::format("scratch: residual gradient{}", rows_note), nr * c * a, act_lower);
-  m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
-  m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
-  m.dff = add("scratch: MLP gradient", n * ff * a, act_lower);
-  m.dqkv = add("scratch: QKV gradient", n * qw * a, act_lower);
-  m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
-  m.attn_scratch =
-      add("scratch: attention backward", m.RowsAttention() ? o.attention_scratch_floats * 4 : 0, act_lower);
-  m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
-  if (cf.qk_layernorm)
-    m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
-  if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
-  if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
-  if (!m.RowsAttention() && grouped) {
-    m.qkv_heads = add("scratch: QKV heads first (grouped-query fused attention)", n * qw * a, act_lower);
-    m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
-  }
+  AddScratchBuffers(cf, o, nr, c, ct, qw, f, grouped, rows_note, act_lower, add);
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
