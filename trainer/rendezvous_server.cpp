@@ -14,6 +14,7 @@
 
 #include <fmt/core.h>
 
+#include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
 
@@ -49,7 +50,7 @@ bool SendBlob(int fd, const std::string& s) {
 }
 bool RecvBlob(int fd, std::string* s) {
   uint32_t n = 0;
-  if (!RecvAll(fd, &n, 4) || n > (64u << 20)) return false;
+  if (!RecvAll(fd, &n, 4) || n > kMaxBlob) return false;
   s->resize(n);
   return RecvAll(fd, s->data(), n);
 }
@@ -116,7 +117,7 @@ size_t BlobAt(const std::string& in, size_t at, std::string* blob) {
   uint32_t n = 0;
   if (in.size() < at + 4) return 0;
   std::memcpy(&n, in.data() + at, 4);
-  if (n > (64u << 20)) return std::string::npos;
+  if (n > kMaxBlob) return std::string::npos;
   if (in.size() < at + 4 + n) return 0;
   blob->assign(in, at + 4, n);
   return at + 4 + n;
@@ -194,10 +195,21 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
   return absl::OkStatus();
 }
 
-void RendezvousServer::Drop(int fd, std::map<int, std::vector<std::string>>* waiting) {
+void RendezvousServer::Drop(int fd, Waiting* waiting) {
+  if (const size_t unsent = sending_[fd].size(); unsent > kMaxUnsentReplies) {
+    const auto it = registered_.find(fd);
+    log::Warning(
+        "rank 0's rendezvous store dropped {}: it sent requests and read none of their answers ({} bytes "
+        "unsent; stopped or hung?)",
+        it == registered_.end() ? std::string("a client that never joined")
+                                : fmt::format("rank {} (host {}, pid {})", it->second.rank,
+                                              log::Printable(it->second.host), it->second.pid),
+        unsent);
+  }
   ::close(fd);
   waiting->erase(fd);
   received_.erase(fd);
+  sending_.erase(fd);
   clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
   if (auto it = registered_.find(fd); it != registered_.end()) {
     left_[it->second.rank] = it->second.host;
@@ -259,30 +271,80 @@ bool RendezvousServer::Receive(int fd) {
   return n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
-bool RendezvousServer::Serve(int fd, const Request& request, std::map<int, std::vector<std::string>>* waiting) {
+bool RendezvousServer::Flush(int fd) {
+  std::string& out = sending_[fd];
+  size_t sent = 0;
+  while (sent < out.size()) {
+    const ssize_t w = ::send(fd, out.data() + sent, out.size() - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (w > 0) {
+      sent += static_cast<size_t>(w);
+    } else if (w < 0 && errno == EINTR) {
+      continue;
+    } else {
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;  // the rest when its socket takes it
+      return false;
+    }
+  }
+  out.erase(0, sent);
+  return true;
+}
+
+bool RendezvousServer::Reply(int fd, const void* p, size_t n) {
+  sending_[fd].append(static_cast<const char*>(p), n);
+  return Flush(fd) && sending_[fd].size() <= kMaxUnsentReplies;
+}
+
+bool RendezvousServer::ReplyBlob(int fd, const std::string& s) {
+  const uint32_t n = static_cast<uint32_t>(s.size());
+  return Reply(fd, &n, 4) && Reply(fd, s.data(), s.size());
+}
+
+bool RendezvousServer::Serve(int fd, const Request& request, Waiting* waiting) {
   const std::string& key = request.key;
   switch (request.op) {
     case kSet:
       if (key == kAbortKey && abort_.empty()) abort_ = request.value;  // the first rank's reason
       if (key != kAbortKey) kv_[key] = request.value;
-      return SendAll(fd, "k", 1);
+      return Reply(fd, "k", 1);
     case kGet: (*waiting)[fd].push_back(key); return true;
     case kHello: {
       const char answer = Hello(fd, key, request.value);
-      return SendAll(fd, &answer, 1);
+      return Reply(fd, &answer, 1);
     }
-    case kPeers: return SendBlob(fd, Peers());
-    case kAbortQuery: return SendBlob(fd, abort_);
-    case kInfo: return SendBlob(fd, Info(key));
+    case kPeers: return ReplyBlob(fd, Peers());
+    case kAbortQuery: return ReplyBlob(fd, abort_);
+    case kInfo: return ReplyBlob(fd, Info(key));
     default: return false;
   }
 }
 
+void RendezvousServer::Answer(Waiting* waiting) {
+  std::vector<int> failed;
+  for (auto& [fd, keys] : *waiting) {
+    bool ok = true;
+    while (ok && !keys.empty() && !abort_.empty()) {  // a rank failed before it joined: nobody waits
+      ok = Reply(fd, &kAbortMarker, 4) && ReplyBlob(fd, abort_);
+      keys.erase(keys.begin());
+    }
+    while (ok && !keys.empty() && kv_.count(keys.front())) {
+      ok = ReplyBlob(fd, kv_[keys.front()]);
+      keys.erase(keys.begin());
+    }
+    if (!ok) failed.push_back(fd);
+  }
+  for (int fd : failed) Drop(fd, waiting);
+  std::erase_if(*waiting, [](const auto& entry) { return entry.second.empty(); });
+}
+
 void RendezvousServer::Loop() {
-  std::map<int, std::vector<std::string>> waiting;  // fd -> keys it waits for (one get at a time)
+  Waiting waiting;  // a rank asks one get at a time; a client that asks several gets each answer
   while (!stop_) {
     std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
-    for (int fd : clients_) fds.push_back({fd, POLLIN, 0});
+    for (int fd : clients_) {  // writable wanted while replies wait to be sent
+      const auto out = sending_.find(fd);
+      const bool unsent = out != sending_.end() && !out->second.empty();
+      fds.push_back({fd, static_cast<short>(unsent ? POLLIN | POLLOUT : POLLIN), 0});
+    }
     if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
     if (fds[0].revents & POLLIN) {
       int c = ::accept(listen_fd_, nullptr, nullptr);
@@ -295,26 +357,16 @@ void RendezvousServer::Loop() {
       }
     }
     for (size_t i = 1; i < fds.size(); ++i) {
-      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       const int fd = fds[i].fd;
-      bool ok = Receive(fd), bad = false;
-      Request request;
-      while (ok && TakeRequest(&received_[fd], &request, &bad)) ok = Serve(fd, request, &waiting);
+      bool ok = !(fds[i].revents & POLLOUT) || Flush(fd), bad = false;
+      if (ok && (fds[i].revents & (POLLIN | POLLHUP | POLLERR))) {
+        ok = Receive(fd);
+        Request request;
+        while (ok && TakeRequest(&received_[fd], &request, &bad)) ok = Serve(fd, request, &waiting);
+      }
       if (!ok || bad) Drop(fd, &waiting);
     }
-    for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
-      auto& keys = it->second;
-      while (!keys.empty() && !abort_.empty()) {  // a rank failed before it joined: nobody waits
-        SendAll(it->first, &kAbortMarker, 4);
-        SendBlob(it->first, abort_);
-        keys.erase(keys.begin());
-      }
-      while (!keys.empty() && kv_.count(keys.front())) {
-        SendBlob(it->first, kv_[keys.front()]);
-        keys.erase(keys.begin());
-      }
-      it = keys.empty() ? waiting.erase(it) : std::next(it);
-    }
+    Answer(&waiting);
   }
 }
 

@@ -36,6 +36,10 @@ inline constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished
 // length of kAbortMarker, so that no rank waits for one that will never join.
 inline constexpr const char* kAbortKey = "ptk/abort";
 inline constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
+inline constexpr uint32_t kMaxBlob = 64u << 20;  // a key's or value's largest length
+// A client's replies not yet taken by its socket beyond which rank 0 drops it: a rank waits for each
+// answer before it asks again, so one whose unsent replies pass the largest answer reads none of them.
+inline constexpr size_t kMaxUnsentReplies = size_t{kMaxBlob} + (1u << 16);
 
 // A hello's one-byte answers. 'k': joined. 'j': another job's rank (its WORLD_SIZE or run id is not
 // this store's): it stops. 'd': a rank of this number is connected now (another job of the same
@@ -82,7 +86,9 @@ bool TakeRequest(std::string* in, Request* request, bool* bad);
 // Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
 // client whose connection closes is a rank that exited. A client's bytes are taken as they come and
 // a request served once whole: a rank stopped (or slowed down) half-way through sending one holds no
-// other rank's request.
+// other rank's request. Replies are queued per client and sent as its socket takes them: a rank that
+// reads none (stopped, hung) holds no other rank either, and is dropped (named in a warning) once its
+// unsent replies pass kMaxUnsentReplies.
 class RendezvousServer {
  public:
   ~RendezvousServer();
@@ -104,7 +110,9 @@ class RendezvousServer {
     std::string host;
     int64_t pid = 0;
   };
-  void Drop(int fd, std::map<int, std::vector<std::string>>* waiting);
+  using Waiting = std::map<int, std::vector<std::string>>;  // fd -> keys it waits for
+  // Closes client `fd`, a warning naming it when its unsent replies were past kMaxUnsentReplies.
+  void Drop(int fd, Waiting* waiting);
   // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it.
   std::string Peers() const;
   // kInfo's answer: "ptk-rendezvous\tWORLD_SIZE\tpid\thost\trun id", then, when `rank` is a connected
@@ -115,12 +123,21 @@ class RendezvousServer {
   // Takes what client `fd` has sent, without waiting; false once its connection closed or failed.
   bool Receive(int fd);
   // One whole request of client `fd`; false when its connection is to be dropped.
-  bool Serve(int fd, const rendezvous_detail::Request& request, std::map<int, std::vector<std::string>>* waiting);
+  bool Serve(int fd, const rendezvous_detail::Request& request, Waiting* waiting);
+  // Queues a reply to client `fd` and sends what its socket takes without waiting; false once its
+  // connection failed or its unsent replies passed kMaxUnsentReplies.
+  bool Reply(int fd, const void* p, size_t n);
+  bool ReplyBlob(int fd, const std::string& s);
+  // Sends what client `fd`'s socket takes of its queued replies, without waiting; false once it failed.
+  bool Flush(int fd);
+  // Answers the gets whose key has come (or every get, once kAbortKey is set).
+  void Answer(Waiting* waiting);
   void Loop();
 
   int listen_fd_ = -1;
   std::vector<int> clients_;
   std::map<int, std::string> received_;  // fd -> its bytes not yet taken as a whole request
+  std::map<int, std::string> sending_;   // fd -> its replies its socket has not taken yet
   std::map<std::string, std::string> kv_;
   std::map<int, Client> registered_;  // fd -> the rank it registered as
   std::map<int, std::string> left_;   // rank -> host

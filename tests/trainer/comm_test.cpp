@@ -345,37 +345,44 @@ TEST(Rendezvous, ARankZeroThatExitedIsSaidToHaveExited) {
 
 // Two jobs on one MASTER_PORT: rendezvous_jobs_test.cpp.
 
+// A rank's connection made by hand, closed first when the test ends (the stores' server may wait on it).
+struct HandRank {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ~HandRank() { ::close(fd); }
+};
+// Ranks 0 and 1 of a job of 3 ranks through RendezvousStore, and rank 2 by hand.
+void JoinTwoAndOneByHand(int port, std::vector<std::unique_ptr<RendezvousStore>>* stores, const HandRank& hand) {
+  namespace wire = rendezvous_detail;
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, std::chrono::milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores->push_back(*std::move(s));
+  }
+  ASSERT_GE(hand.fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(hand.fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  char ack = 0;  // its hello answered: the store serves its connection
+  ASSERT_TRUE(wire::SendAll(hand.fd, &wire::kHello, 1) && wire::SendBlob(hand.fd, "2") &&
+              wire::SendBlob(hand.fd, wire::HelloValue("rank-two", 3, "", ::getpid())) &&
+              wire::RecvAll(hand.fd, &ack, 1));
+  ASSERT_EQ(ack, wire::kJoined);
+}
+
 // A rank stopped, or slowed down, half-way through a request to rank 0's store held every other rank's:
 // the store read each request whole, waiting on its sender's connection, so one byte of a set from
 // rank 2 left rank 1's set and rank 0's get waiting until their timeout ("no answer within 10 s"), and
 // a rank that hangs there turned the others' diagnosis into "rank 0 ... does not answer". A request's
 // bytes are now taken as they come and it is served once whole.
 TEST(Rendezvous, ARankStoppedHalfWayThroughARequestHoldsNoOtherRank) {
-  using std::chrono::milliseconds;
   namespace wire = rendezvous_detail;
   const int port = testing::NextPort();
-  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(10000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
-  // Rank 2 by hand, its connection closed first when the test ends (the stores' server may wait on it).
-  struct Fd {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    ~Fd() { ::close(fd); }
-  } two;
-  ASSERT_GE(two.fd, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(two.fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  char ack = 0;  // its hello answered: the store serves its connection
-  ASSERT_TRUE(wire::SendAll(two.fd, &wire::kHello, 1) && wire::SendBlob(two.fd, "2") &&
-              wire::SendBlob(two.fd, wire::HelloValue("rank-two", 3, "", ::getpid())) &&
-              wire::RecvAll(two.fd, &ack, 1));
-  ASSERT_EQ(ack, wire::kJoined);
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  HandRank two;
+  ASSERT_NO_FATAL_FAILURE(JoinTwoAndOneByHand(port, &stores, two));
+  char ack = 0;
   ASSERT_TRUE(wire::SendAll(two.fd, &wire::kSet, 1));  // the first byte of a set, and no more for now
   ASSERT_TRUE(stores[1]->Set("1", "address of rank 1").ok());
   absl::StatusOr<std::string> got = stores[0]->Get("1");
@@ -388,6 +395,46 @@ TEST(Rendezvous, ARankStoppedHalfWayThroughARequestHoldsNoOtherRank) {
   got = stores[1]->Get("2");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, "address of rank 2");
+}
+
+// A rank that sends requests and reads none of their answers (stopped, hung) held every other rank's:
+// rank 0's store sent each answer with blocking sends, so once that rank's socket buffers were full it
+// waited in send, and rank 0's get failed after its timeout ('rank 1 did not join within 10 s', test
+// 20.5 s). Answers are now queued per client and sent as its socket takes them (test 0.1 s); past
+// kMaxUnsentReplies the client is dropped, named.
+TEST(Rendezvous, ARankThatReadsNoAnswerHoldsNoOtherRank) {
+  namespace wire = rendezvous_detail;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  HandRank two;
+  ASSERT_NO_FATAL_FAILURE(JoinTwoAndOneByHand(port, &stores, two));
+  char ack = 0;
+  const std::string big(1 << 20, 'x');
+  ASSERT_TRUE(wire::SendAll(two.fd, &wire::kSet, 1) && wire::SendBlob(two.fd, "big") && wire::SendBlob(two.fd, big) &&
+              wire::RecvAll(two.fd, &ack, 1));
+  ASSERT_EQ(ack, 'k');
+  // 80 gets of it, never read: 80 MiB of answers, more than its socket buffers and kMaxUnsentReplies.
+  const int gets = 80;
+  static_assert(gets * ((1 << 20) + 4) > wire::kMaxUnsentReplies);
+  std::string requests;  // sent at once: the store takes them all in one read
+  for (int i = 0; i < gets; ++i) requests += std::string(1, wire::kGet) + std::string("\3\0\0\0big", 7);
+  ::testing::internal::CaptureStderr();  // before the store can drop rank 2
+  ASSERT_TRUE(wire::SendAll(two.fd, requests.data(), requests.size()));
+  ASSERT_TRUE(stores[1]->Set("1", "address of rank 1").ok());
+  absl::StatusOr<std::string> got = stores[0]->Get("1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "address of rank 1");
+  // Rank 2 was dropped: its connection ends after what its socket took, less than its answers.
+  size_t came = 0;
+  char buf[1 << 16];
+  const timeval guard{10, 0};  // were it never dropped: every answer, then no more
+  ASSERT_EQ(::setsockopt(two.fd, SOL_SOCKET, SO_RCVTIMEO, &guard, sizeof guard), 0);
+  for (ssize_t n; (n = ::recv(two.fd, buf, sizeof buf, 0)) > 0;) came += static_cast<size_t>(n);
+  EXPECT_LT(came, static_cast<size_t>(gets) * (big.size() + 4));
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("rank 0's rendezvous store dropped rank 2 (host rank-two, pid "), std::string::npos) << warned;
+  EXPECT_NE(warned.find("read none of their answers"), std::string::npos) << warned;
+  EXPECT_NE(stores[0]->PollExitedRank().find("rank 2 (host rank-two)"), std::string::npos);
 }
 
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
