@@ -117,6 +117,9 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--split", o.data.split, "Train/valid/test proportions of --data-path");
   app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)")->check(IntIn(0, 4294967295));
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
+  app->add_option("--mid-level-dataset-surplus", o.mid_level_dataset_surplus,
+                  "Of a blend, each dataset builds its share of the samples times 1 + this (default 0.005)")
+      ->check(RealIn(0, false, 1e6, false));
   app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
   app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
   app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt (default: ptk's built-in GPT-2 files)");
@@ -195,6 +198,9 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
+  app->add_option("--exit-signal", f->exit_signal,
+                  "The signal of --exit-signal-handler: SIGTERM (default), SIGUSR1 or SIGINT, which it saves on "
+                  "alike; others refused");
   app->add_flag(
       "--no-load-optim", o.no_load_optim,
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
@@ -226,6 +232,9 @@ void AddPrecisionFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--fp16", f->fp16,
                 "fp16 mixed precision with dynamic loss scaling (--device cuda; fp32 master weights, moments, loss)");
   app->add_flag("--bf16", f->bf16, "bf16 mixed precision (--device cuda; fp32 master weights, moments, loss)");
+  app->add_flag("--disable-bf16-reduced-precision-matmul", f->disable_bf16_reduced_precision_matmul,
+                "Without --bf16 no effect (as Megatron); with --bf16 refused (cuBLASLt may reduce split-K sums in "
+                "bf16 here)");
   app->add_option("--device", f->device,
                   "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));

@@ -34,9 +34,11 @@ struct TrainFlags {
   // logging, checkpoints
   std::string metrics_file;
   bool exit_signal_handler = false;
+  std::string exit_signal;  // --exit-signal: "" when not given (Megatron's SIGTERM)
   bool override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
   // precision, parallelism, device
   bool fp16 = false, bf16 = false;
+  bool disable_bf16_reduced_precision_matmul = false;
   std::string device;  // "": cuda where the build has CUDA and a GPU is visible, else cpu
   // Megatron's loss scaling (fp16): --loss-scale fixes the scale; else dynamic from --initial-loss-scale.
   // Unset: Megatron's defaults (2^32, 1, 1000, 2); given without --fp16, or beside --loss-scale, a note names them.

@@ -113,6 +113,33 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
   return absl::OkStatus();
 }
 
+// --exit-signal and --disable-bf16-reduced-precision-matmul, by what Megatron does with their values:
+// Megatron's --exit-signal is the one signal its --exit-signal-handler catches (a name of Python's
+// signal.Signals), read by nothing else; ptk's handler saves on SIGTERM, SIGUSR1 and SIGINT alike.
+// The matmul flag sets torch's allow_bf16_reduced_precision_reduction = False only with --bf16
+// (TransformerConfig.__post_init__); ptk's bf16 GEMMs leave cuBLASLt free to reduce split-K sums in bf16.
+absl::Status ResolveSignalAndMatmulFlags(const TrainFlags& f, std::vector<std::string>* notes) {
+  static constexpr const char* kCaught[] = {"SIGTERM", "SIGUSR1", "SIGINT"};
+  const std::string& sig = f.exit_signal;
+  if (!sig.empty()) {
+    const bool caught = std::find(std::begin(kCaught), std::end(kCaught), sig) != std::end(kCaught);
+    if (f.exit_signal_handler && !caught)
+      return Refuse("--exit-signal " + sig +
+                    ": ptk's --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT only; another signal is not "
+                    "caught");
+    if (!f.exit_signal_handler && (sig.size() < 4 || sig.compare(0, 3, "SIG") != 0))
+      return Refuse("--exit-signal " + sig + ": not a signal name (SIGTERM, SIGUSR1, ...)");
+    notes->push_back("--exit-signal " + sig +
+                     (f.exit_signal_handler ? ": accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"
+                                            : ": accepted, no effect without --exit-signal-handler (as Megatron)"));
+  }
+  if (f.disable_bf16_reduced_precision_matmul) {
+    if (f.bf16) return Refuse(train_flags::kBf16ReducedPrecisionMissing);
+    notes->push_back("--disable-bf16-reduced-precision-matmul: accepted, no effect without --bf16 (as Megatron)");
+  }
+  return absl::OkStatus();
+}
+
 // The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
 // device is known; notes for the flags accepted for compatibility.
 absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
@@ -130,6 +157,7 @@ absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std
     return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
   if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
     return Refuse("--recompute-granularity must be selective or full");
+  PTK_RETURN_IF_ERROR(ResolveSignalAndMatmulFlags(f, notes));
   train_flags::NoteCompatFlags(f, notes);
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include <map>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -357,6 +358,28 @@ TEST_F(MegatronFlags, StartUpStagesArePrintedWithTheirTimes) {
 // pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's, Neuron's), each added to
 // a tiny run of its own: taken, taken with a note, or refused with the reason (never "unknown
 // flag"). The model's sizes are the tests' tiny ones; every other value is the script's.
+// --mid-level-dataset-surplus reaches the blend's builder: each dataset of a 0.5/0.5 blend of 8 training
+// samples is built for Megatron's ceil(ceil(8 x 0.5) x (1 + surplus)) samples, 5 by default and 8 at 1 (its
+// GPTDataset's cached description records them).
+TEST_F(MegatronFlags, MidLevelDatasetSurplusSizesTheBlendsDatasets) {
+  for (const auto& [surplus, built] : std::vector<std::pair<std::string, int>>{{"", 5}, {"1", 8}}) {
+    const auto cache = dir_ / ("surplus" + surplus);
+    auto r = RunCmd(testing::Tool("ptk-train") +
+                    " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --lr 1e-3"
+                    " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --eval-iters 0 --split 98,2,0"
+                    " --threads 2 --device cpu --data-path 0.5 " +
+                    ShellQuote(prefix_) + " 0.5 " + ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(cache) +
+                    (surplus.empty() ? "" : " --mid-level-dataset-surplus " + surplus));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::vector<std::string> counts;
+    for (const auto& e : std::filesystem::directory_iterator(cache))
+      if (e.path().filename().string().find("-GPTDataset-train-description.txt") != std::string::npos)
+        for (const std::string& n : Matches(testing::ReadFile(e.path()), "\"num_samples\": ([0-9]+)"))
+          counts.push_back(n);
+    EXPECT_EQ(counts, std::vector<std::string>{std::to_string(built)}) << "surplus " << surplus;
+  }
+}
+
 TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
   enum Outcome { kTaken, kNoted, kRefused };
   struct Case {
@@ -478,6 +501,21 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--hierarchical-context-parallel-sizes 2 2", kRefused,
        "--hierarchical-context-parallel-sizes 2 2: this parallelism is not implemented"},
       {"--profile-ranks 0 1 --disable-jit-fuser", kNoted, "--profile-ranks 0 1: accepted"},
+      // Classified from Megatron 0.16.1's code: noted where ptk's result cannot change, refused by value otherwise.
+      {"--test-mode", kNoted, "--test-mode: accepted, this check is not run here"},
+      {"--te-rng-tracker", kNoted, "--te-rng-tracker: accepted, dropout masks are ptk's own function of --seed"},
+      {"--per-dataset-sequences-path seqs.json", kNoted,
+       "--per-dataset-sequences-path seqs.json: accepted, the sequence and document counts are read from each .idx"},
+      {"--exit-signal SIGHUP", kNoted, "--exit-signal SIGHUP: accepted, no effect without --exit-signal-handler"},
+      {"--exit-signal-handler --exit-signal SIGUSR1", kNoted,
+       "--exit-signal SIGUSR1: accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"},
+      {"--exit-signal-handler --exit-signal SIGHUP", kRefused,
+       "--exit-signal SIGHUP: ptk's --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT only"},
+      {"--exit-signal TERM", kRefused, "--exit-signal TERM: not a signal name"},
+      {"--disable-bf16-reduced-precision-matmul", kNoted,
+       "--disable-bf16-reduced-precision-matmul: accepted, no effect without --bf16 (as Megatron)"},
+      {"--dry-run --bf16 --disable-bf16-reduced-precision-matmul", kRefused,
+       "--disable-bf16-reduced-precision-matmul with --bf16: not implemented; ptk's bf16 GEMMs let cuBLASLt"},
       // Megatron's other spellings of flags ptk has
       {"--persistent-save-interval 10000", kNoted, "--save-interval 10000 without --save: nothing is saved"},
   };
