@@ -30,6 +30,17 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--kv-channels", f->kv_channels, "Head dimension (default --hidden-size / --num-attention-heads)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--seq-length", m.seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
+  // Megatron's validate_args takes it as --seq-length when that is not given (and asserts it is not given with
+  // it): its own option, so that --seq-length's help stays REQUIRED, lifting the requirement when given.
+  app->add_option_function<int64_t>(
+         "--encoder-seq-length",
+         [app, f](const int64_t& v) {
+           f->encoder_seq_length = v;
+           app->get_option("--seq-length")->required(false);
+         },
+         "Megatron's other name for --seq-length, taken when --seq-length is not given (not with it)")
+      ->check(IntIn(1, kMaxSize))
+      ->trigger_on_parse();
   app->add_option("--max-position-embeddings", m.max_position_embeddings, "Position table size (default --seq-length)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by,

@@ -24,6 +24,7 @@ struct TrainFlags {
   // The flags resolved into `options` after parsing (ResolveTrainFlags), or read by the main.
   // model
   int64_t make_vocab_size_divisible_by = 128, kv_channels = 0;
+  std::optional<int64_t> encoder_seq_length;  // Megatron's other name for --seq-length (ApplyCheckpointArgs)
   std::string recompute_granularity, position_embedding_type = "learned_absolute", normalization = "LayerNorm";
   // optimizer and data
   std::string optimizer = "adam";

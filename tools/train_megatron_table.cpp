@@ -271,7 +271,7 @@ constexpr Group kGroups[] = {
     {true, "batch-invariant kernels are not implemented",
      "--batch-invariant-mode"},
     {true, "encoder-decoder models are not implemented; give --num-layers and --seq-length",
-     "--decoder-num-layers= --decoder-seq-length= --encoder-num-layers= --encoder-seq-length="},
+     "--decoder-num-layers= --decoder-seq-length= --encoder-num-layers="},
     {true, "the Muon optimizer (and its QK-clip) is not implemented; ptk's optimizer is Adam",
      "--muon-extra-scale-factor= --muon-fp32-matmul-prec= --muon-momentum= --muon-no-split-qkv "
      "--muon-num-ns-steps= --muon-scale-mode= --muon-tp-mode= --muon-use-nesterov --qk-clip "

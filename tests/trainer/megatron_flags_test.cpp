@@ -380,6 +380,32 @@ TEST_F(MegatronFlags, MidLevelDatasetSurplusSizesTheBlendsDatasets) {
   }
 }
 
+// --encoder-seq-length N is Megatron's other name for --seq-length N (validate_args): the same run, the same
+// losses; with --seq-length too it is refused, and without either --seq-length is still required.
+TEST_F(MegatronFlags, EncoderSeqLengthIsSeqLength) {
+  const std::string run = testing::Tool("ptk-train") +
+                          " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --lr 1e-3 --micro-batch-size 1"
+                          " --global-batch-size 2 --train-iters 3 --log-interval 1 --eval-iters 0 --split 98,2,0"
+                          " --threads 2 --device cpu --data-cache-path " +
+                          ShellQuote(dir_ / "cache") + " --data-path " + ShellQuote(prefix_);
+  auto seq = RunCmd(run + " --seq-length 16");
+  auto enc = RunCmd(run + " --encoder-seq-length 16");
+  ASSERT_EQ(seq.exit_code, 0) << seq.output;
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  const auto losses = Matches(seq.output, "lm loss: ([0-9.E+-]+)");
+  EXPECT_EQ(losses.size(), 3u) << seq.output;
+  EXPECT_EQ(Matches(enc.output, "lm loss: ([0-9.E+-]+)"), losses) << enc.output;
+  const auto footprint = Matches(seq.output, "(Theoretical memory footprints: [^\\n]*)");
+  EXPECT_EQ(footprint.size(), 1u) << seq.output;
+  EXPECT_EQ(Matches(enc.output, "(Theoretical memory footprints: [^\\n]*)"), footprint) << enc.output;
+  auto both = RunCmd(run + " --seq-length 16 --encoder-seq-length 16");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+  EXPECT_NE(both.output.find("--seq-length and --encoder-seq-length: give one"), std::string::npos) << both.output;
+  auto neither = RunCmd(run);
+  EXPECT_EQ(neither.exit_code, 2) << neither.output;
+  EXPECT_NE(neither.output.find("--seq-length is required"), std::string::npos) << neither.output;
+}
+
 TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
   enum Outcome { kTaken, kNoted, kRefused };
   struct Case {
