@@ -30,6 +30,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   f.options.backend.profile = false;
   f.data_args_path.clear();
   f.per_split_data_args_path.clear();
+  f.per_dataset_sequences_path.clear();  // its datasets are the other machine's
   if (f.options.model.vocab_size == 0 && !f.options.vocab_file.empty() && !PathExists(f.options.vocab_file)) {
     notes->push_back(fmt::format(
         "--vocab-file {} is not on this machine: GPT-2's 50257 tokens assumed (give --vocab-size for another)",

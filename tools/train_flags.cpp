@@ -132,6 +132,9 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
                   "Of a blend, each dataset builds its share of the samples times 1 + this (default 0.005)")
       ->check(RealIn(0, false, 1e6, false));
   app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
+  app->add_option("--per-dataset-sequences-path", f->per_dataset_sequences_path,
+                  "Megatron's JSON of each prefix's [sequences, document indices]: checked against each .idx header, "
+                  "which ptk reads (refused where they differ)");
   app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
   app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt (default: ptk's built-in GPT-2 files)");
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");

@@ -30,6 +30,7 @@ struct TrainFlags {
   std::string optimizer = "adam";
   std::string data_cache_path, tokenizer_type = "GPT2BPETokenizer";
   std::string dataloader_type = "single";
+  std::string per_dataset_sequences_path;  // checked against each .idx (CheckSequencesPerDataset)
   bool reset_attention_mask = false;
   int64_t seed = 1234;
   // logging, checkpoints

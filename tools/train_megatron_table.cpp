@@ -97,8 +97,6 @@ constexpr Group kGroups[] = {
     {false, "the dataset indices are ptk's own, read through mmap (the same samples)",
      "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
      "--exit-signal-handler-for-dataloader --no-data-sharding"},
-    {false, "the sequence and document counts are read from each .idx header (the counts such a file records; Megatron reads them from it to skip the header)",
-     "--per-dataset-sequences-path="},
     {false, "dropout masks are ptk's own function of --seed and the sample's position, not drawn by Megatron's RNG trackers",
      "--te-rng-tracker"},
     {false, "the rank comes from the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE)",

@@ -2,7 +2,9 @@
 // the flag), notes for flags accepted without effect, and the settings that depend on other flags.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -12,6 +14,8 @@
 #include "common/file_paths.h"
 #include "common/py_format.h"
 #include "common/status.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/indexed_dataset.h"
 #include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
 #include "trainer/backend.h"
@@ -110,6 +114,63 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
       data->per_split_data_path[i].emplace_back(v);
     }
   }
+  return absl::OkStatus();
+}
+
+// One dataset's entry of --per-dataset-sequences-path against its .idx: Megatron's _IndexReader takes
+// the sequence count and the document-index count from the entry instead of the header, and the token
+// type from the vocabulary (GPTDataset: uint16 up to 65536 tokens, else int32), then reads the arrays
+// at those counts. ptk reads the header: the same dataset exactly when they agree.
+absl::Status CheckSequencesEntry(const std::string& path, simdjson::dom::object obj, const std::string& prefix,
+                                 int64_t vocab) {
+  const std::string where = "--per-dataset-sequences-path " + path;
+  simdjson::dom::array entry;
+  if (obj[prefix].get(entry))
+    return Refuse(fmt::format("{}: no [sequences, documents] entry for {} (Megatron's KeyError)", where, prefix));
+  int64_t sequences = 0, documents = 0;
+  if (entry.size() != 2 || entry.at(0).get(sequences) || entry.at(1).get(documents))
+    return Refuse(fmt::format("{}: the entry for {} is not two integers [sequences, documents]", where, prefix));
+  PTK_ASSIGN_OR_RETURN(auto ds, IndexedDataset::Open(prefix));
+  const DType token = vocab > 65536 ? DType::kInt32 : DType::kUInt16;
+  if (sequences != ds->num_sequences() || documents != ds->num_documents() + 1 || ds->dtype() != token)
+    return Refuse(fmt::format(
+        "{}: {} is [{}, {}] there ({} tokens by the vocabulary), its .idx has {} sequences, {} document indices "
+        "and {} tokens: Megatron would read that index at the file's counts; ptk reads the header (fix or drop "
+        "the file)",
+        where, prefix, sequences, documents, DTypeName(token), ds->num_sequences(), ds->num_documents() + 1,
+        DTypeName(ds->dtype())));
+  return absl::OkStatus();
+}
+
+// --per-dataset-sequences-path: every dataset the data paths name checked (CheckSequencesEntry), a note
+// when all agree; with --mock-data not read, as Megatron's mock dataset reads no index.
+absl::Status CheckSequencesPerDataset(const TrainFlags& f, const TrainOptions& o, std::vector<std::string>* notes) {
+  const std::string& path = f.per_dataset_sequences_path;
+  if (path.empty()) return absl::OkStatus();
+  if (o.mock_data) {
+    notes->push_back("--per-dataset-sequences-path " + path + ": accepted, not read with --mock-data (as Megatron)");
+    return absl::OkStatus();
+  }
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return Refuse(fmt::format("--per-dataset-sequences-path: {}", StatusMessage(text.status())));
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (auto err = p.parse(*text).get(obj))
+    return Refuse(
+        fmt::format("--per-dataset-sequences-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
+  std::vector<std::string> prefixes;
+  for (const auto* list : {&o.data.data_path, &o.data.per_split_data_path[0], &o.data.per_split_data_path[1],
+                           &o.data.per_split_data_path[2]}) {
+    if (list->empty()) continue;
+    std::vector<std::string> names;
+    std::optional<std::vector<double>> weights;
+    PTK_RETURN_IF_ERROR(ParseBlend(*list, &names, &weights));
+    prefixes.insert(prefixes.end(), names.begin(), names.end());
+  }
+  const int64_t vocab = o.model.vocab_size > 0 ? o.model.vocab_size : 50257;
+  for (const std::string& prefix : prefixes) PTK_RETURN_IF_ERROR(CheckSequencesEntry(path, obj, prefix, vocab));
+  notes->push_back("--per-dataset-sequences-path " + path +
+                   ": accepted, its counts are each .idx header's, which ptk reads (checked)");
   return absl::OkStatus();
 }
 
@@ -399,6 +460,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   TrainOptions o = f.options;
   PTK_RETURN_IF_ERROR(ResolveModel(f, tp, &o, notes));
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
+  PTK_RETURN_IF_ERROR(CheckSequencesPerDataset(f, o, notes));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;

@@ -419,6 +419,10 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
   const std::string vocab = ShellQuote(testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json"),
                     merges = ShellQuote(testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt");
   testing::WriteFile(dir_ / "data-args.txt", "1.0 " + prefix_ + "\n");
+  // Megatron's --per-dataset-sequences-path file: {prefix: [sequences, document indices]}, right and wrong.
+  const std::string seqs = dir_ / "seqs.json", bad_seqs = dir_ / "bad-seqs.json";
+  testing::WriteFile(seqs, "{\"" + prefix_ + "\": [400, 401]}");
+  testing::WriteFile(bad_seqs, "{\"" + prefix_ + "\": [400, 400]}");
   const std::vector<Case> cases = {
       // examples/gpt3/train_gpt3_175b_distributed.sh: GPT_MODEL_ARGS (sizes tiny)
       {"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32", kTaken,
@@ -530,8 +534,12 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // Classified from Megatron 0.16.1's code: noted where ptk's result cannot change, refused by value otherwise.
       {"--test-mode", kNoted, "--test-mode: accepted, this check is not run here"},
       {"--te-rng-tracker", kNoted, "--te-rng-tracker: accepted, dropout masks are ptk's own function of --seed"},
-      {"--per-dataset-sequences-path seqs.json", kNoted,
-       "--per-dataset-sequences-path seqs.json: accepted, the sequence and document counts are read from each .idx"},
+      {"--per-dataset-sequences-path " + seqs, kNoted,
+       "--per-dataset-sequences-path " + seqs + ": accepted, its counts are each .idx header's, which ptk reads"},
+      {"--per-dataset-sequences-path " + bad_seqs, kRefused,
+       " is [400, 400] there (uint16 tokens by the vocabulary), its .idx has 400 sequences, 401 document indices"},
+      {"--mock-data --per-dataset-sequences-path " + bad_seqs, kNoted,
+       "--per-dataset-sequences-path " + bad_seqs + ": accepted, not read with --mock-data (as Megatron)", true},
       {"--exit-signal SIGHUP", kNoted, "--exit-signal SIGHUP: accepted, no effect without --exit-signal-handler"},
       {"--exit-signal-handler --exit-signal SIGUSR1", kNoted,
        "--exit-signal SIGUSR1: accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"},
