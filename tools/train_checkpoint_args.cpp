@@ -67,6 +67,21 @@ std::optional<std::string> GivenValue(const CLI::App& app, const TrainFlags& f, 
   return IsSwitch(flag) ? std::string("on") : opt->as<std::string>();
 }
 
+// --encoder-seq-length N is --seq-length N, as Megatron's validate_args takes it (args.seq_length =
+// args.encoder_seq_length when --seq-length is not given); both given fail its assert, refused here.
+// With --use-checkpoint-args the checkpoint's --seq-length would replace it unseen: refused too.
+absl::Status ApplyEncoderSeqLength(const CLI::App& app, TrainFlags* f) {
+  if (!f->encoder_seq_length) return absl::OkStatus();
+  if (Given(app, "--seq-length"))
+    return UsageError("--seq-length and --encoder-seq-length: give one (Megatron's other name for --seq-length)");
+  if (f->use_checkpoint_args)
+    return UsageError(
+        "--encoder-seq-length with --use-checkpoint-args: give --seq-length (the checkpoint's is "
+        "compared with it)");
+  f->options.model.seq_length = *f->encoder_seq_length;
+  return absl::OkStatus();
+}
+
 // The same value: the same text, or the same number written otherwise (1e-5, 0.00001).
 bool SameValue(const std::string& a, const std::string& b) {
   if (a == b) return true;
@@ -228,6 +243,7 @@ absl::StatusOr<int64_t> PaddedVocabSize(const TrainFlags& f, int64_t vocab_size,
 // before ptk recorded it) stays as the command line has it, its default when not given; of the
 // required flags, that is refused.
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector<std::string>* notes) {
+  PTK_RETURN_IF_ERROR(ApplyEncoderSeqLength(app, f));
   if (!f->use_checkpoint_args) return absl::OkStatus();
   const std::string& load = f->options.load;
   if (load.empty()) return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");

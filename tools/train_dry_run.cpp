@@ -6,6 +6,7 @@
 
 #include "common/file_paths.h"
 #include "common/status.h"
+#include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
 
 namespace ptk {
@@ -13,6 +14,8 @@ namespace ptk {
 absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const DryRunCluster& cluster,
                                                  std::vector<std::string>* notes) {
   if (flags.fp16 && flags.bf16) return UsageError("--fp16 and --bf16: give one precision");
+  if (flags.bf16 && flags.disable_bf16_reduced_precision_matmul)  // --bf16 is cleared below
+    return UsageError(train_flags::kBf16ReducedPrecisionMissing);
   // The checks of a real run on a copy that one process on this machine can pass: the plan is of
   // another machine's run (its GPUs, its files).
   PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(flags));
@@ -27,6 +30,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   f.options.backend.profile = false;
   f.data_args_path.clear();
   f.per_split_data_args_path.clear();
+  f.per_dataset_sequences_path.clear();  // its datasets are the other machine's
   if (f.options.model.vocab_size == 0 && !f.options.vocab_file.empty() && !PathExists(f.options.vocab_file)) {
     notes->push_back(fmt::format(
         "--vocab-file {} is not on this machine: GPT-2's 50257 tokens assumed (give --vocab-size for another)",

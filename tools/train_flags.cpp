@@ -30,6 +30,17 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--kv-channels", f->kv_channels, "Head dimension (default --hidden-size / --num-attention-heads)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--seq-length", m.seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
+  // Megatron's validate_args takes it as --seq-length when that is not given (and asserts it is not given with
+  // it): its own option, so that --seq-length's help stays REQUIRED, lifting the requirement when given.
+  app->add_option_function<int64_t>(
+         "--encoder-seq-length",
+         [app, f](const int64_t& v) {
+           f->encoder_seq_length = v;
+           app->get_option("--seq-length")->required(false);
+         },
+         "Megatron's other name for --seq-length, taken when --seq-length is not given (not with it)")
+      ->check(IntIn(1, kMaxSize))
+      ->trigger_on_parse();
   app->add_option("--max-position-embeddings", m.max_position_embeddings, "Position table size (default --seq-length)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by,
@@ -117,7 +128,13 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--split", o.data.split, "Train/valid/test proportions of --data-path");
   app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)")->check(IntIn(0, 4294967295));
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
+  app->add_option("--mid-level-dataset-surplus", o.mid_level_dataset_surplus,
+                  "Of a blend, each dataset builds its share of the samples times 1 + this (default 0.005)")
+      ->check(RealIn(0, false, 1e6, false));
   app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
+  app->add_option("--per-dataset-sequences-path", f->per_dataset_sequences_path,
+                  "Megatron's JSON of each prefix's [sequences, document indices]: checked against each .idx header, "
+                  "which ptk reads (refused where they differ)");
   app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
   app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt (default: ptk's built-in GPT-2 files)");
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
@@ -195,6 +212,9 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
+  app->add_option("--exit-signal", f->exit_signal,
+                  "The signal of --exit-signal-handler: SIGTERM (default), SIGUSR1 or SIGINT, which it saves on "
+                  "alike; others refused");
   app->add_flag(
       "--no-load-optim", o.no_load_optim,
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
@@ -226,6 +246,9 @@ void AddPrecisionFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--fp16", f->fp16,
                 "fp16 mixed precision with dynamic loss scaling (--device cuda; fp32 master weights, moments, loss)");
   app->add_flag("--bf16", f->bf16, "bf16 mixed precision (--device cuda; fp32 master weights, moments, loss)");
+  app->add_flag("--disable-bf16-reduced-precision-matmul", f->disable_bf16_reduced_precision_matmul,
+                "Without --bf16 no effect (as Megatron); with --bf16 refused (cuBLASLt may reduce split-K sums in "
+                "bf16 here)");
   app->add_option("--device", f->device,
                   "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));

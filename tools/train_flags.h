@@ -24,19 +24,23 @@ struct TrainFlags {
   // The flags resolved into `options` after parsing (ResolveTrainFlags), or read by the main.
   // model
   int64_t make_vocab_size_divisible_by = 128, kv_channels = 0;
+  std::optional<int64_t> encoder_seq_length;  // Megatron's other name for --seq-length (ApplyCheckpointArgs)
   std::string recompute_granularity, position_embedding_type = "learned_absolute", normalization = "LayerNorm";
   // optimizer and data
   std::string optimizer = "adam";
   std::string data_cache_path, tokenizer_type = "GPT2BPETokenizer";
   std::string dataloader_type = "single";
+  std::string per_dataset_sequences_path;  // checked against each .idx (CheckSequencesPerDataset)
   bool reset_attention_mask = false;
   int64_t seed = 1234;
   // logging, checkpoints
   std::string metrics_file;
   bool exit_signal_handler = false;
+  std::string exit_signal;  // --exit-signal: "" when not given (Megatron's SIGTERM)
   bool override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
   // precision, parallelism, device
   bool fp16 = false, bf16 = false;
+  bool disable_bf16_reduced_precision_matmul = false;
   std::string device;  // "": cuda where the build has CUDA and a GPU is visible, else cpu
   // Megatron's loss scaling (fp16): --loss-scale fixes the scale; else dynamic from --initial-loss-scale.
   // Unset: Megatron's defaults (2^32, 1, 1000, 2); given without --fp16, or beside --loss-scale, a note names them.

@@ -93,10 +93,12 @@ constexpr Group kGroups[] = {
      "--distrib-optim-fully-reshardable-mem-efficient --no-ckpt-fully-parallel-save --use-dist-ckpt"},
     {false, "this check is not run here (--check-for-nan-in-loss-and-grad, the default, stops on a NaN or infinite loss or gradient norm)",
      "--check-for-large-grads --check-for-spiky-loss --check-weight-hash-across-dp-replicas-interval= "
-     "--rerun-mode= --result-rejected-tracker-filename="},
+     "--rerun-mode= --result-rejected-tracker-filename= --test-mode"},
     {false, "the dataset indices are ptk's own, read through mmap (the same samples)",
      "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
      "--exit-signal-handler-for-dataloader --no-data-sharding"},
+    {false, "dropout masks are ptk's own function of --seed and the sample's position, not drawn by Megatron's RNG trackers",
+     "--te-rng-tracker"},
     {false, "the rank comes from the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE)",
      "--local-rank="},
     {false, "no garbage collector",
@@ -267,7 +269,7 @@ constexpr Group kGroups[] = {
     {true, "batch-invariant kernels are not implemented",
      "--batch-invariant-mode"},
     {true, "encoder-decoder models are not implemented; give --num-layers and --seq-length",
-     "--decoder-num-layers= --decoder-seq-length= --encoder-num-layers= --encoder-seq-length="},
+     "--decoder-num-layers= --decoder-seq-length= --encoder-num-layers="},
     {true, "the Muon optimizer (and its QK-clip) is not implemented; ptk's optimizer is Adam",
      "--muon-extra-scale-factor= --muon-fp32-matmul-prec= --muon-momentum= --muon-no-split-qkv "
      "--muon-num-ns-steps= --muon-scale-mode= --muon-tp-mode= --muon-use-nesterov --qk-clip "

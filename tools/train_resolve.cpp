@@ -2,7 +2,9 @@
 // the flag), notes for flags accepted without effect, and the settings that depend on other flags.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -12,6 +14,8 @@
 #include "common/file_paths.h"
 #include "common/py_format.h"
 #include "common/status.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/indexed_dataset.h"
 #include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
 #include "trainer/backend.h"
@@ -113,6 +117,90 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
   return absl::OkStatus();
 }
 
+// One dataset's entry of --per-dataset-sequences-path against its .idx: Megatron's _IndexReader takes
+// the sequence count and the document-index count from the entry instead of the header, and the token
+// type from the vocabulary (GPTDataset: uint16 up to 65536 tokens, else int32), then reads the arrays
+// at those counts. ptk reads the header: the same dataset exactly when they agree.
+absl::Status CheckSequencesEntry(const std::string& path, simdjson::dom::object obj, const std::string& prefix,
+                                 int64_t vocab) {
+  const std::string where = "--per-dataset-sequences-path " + path;
+  simdjson::dom::array entry;
+  if (obj[prefix].get(entry))
+    return Refuse(fmt::format("{}: no [sequences, documents] entry for {} (Megatron's KeyError)", where, prefix));
+  int64_t sequences = 0, documents = 0;
+  if (entry.size() != 2 || entry.at(0).get(sequences) || entry.at(1).get(documents))
+    return Refuse(fmt::format("{}: the entry for {} is not two integers [sequences, documents]", where, prefix));
+  PTK_ASSIGN_OR_RETURN(auto ds, IndexedDataset::Open(prefix));
+  const DType token = vocab > 65536 ? DType::kInt32 : DType::kUInt16;
+  if (sequences != ds->num_sequences() || documents != ds->num_documents() + 1 || ds->dtype() != token)
+    return Refuse(fmt::format(
+        "{}: {} is [{}, {}] there ({} tokens by the vocabulary), its .idx has {} sequences, {} document indices "
+        "and {} tokens: Megatron would read that index at the file's counts; ptk reads the header (fix or drop "
+        "the file)",
+        where, prefix, sequences, documents, DTypeName(token), ds->num_sequences(), ds->num_documents() + 1,
+        DTypeName(ds->dtype())));
+  return absl::OkStatus();
+}
+
+// --per-dataset-sequences-path: every dataset the data paths name checked (CheckSequencesEntry), a note
+// when all agree; with --mock-data not read, as Megatron's mock dataset reads no index.
+absl::Status CheckSequencesPerDataset(const TrainFlags& f, const TrainOptions& o, std::vector<std::string>* notes) {
+  const std::string& path = f.per_dataset_sequences_path;
+  if (path.empty()) return absl::OkStatus();
+  if (o.mock_data) {
+    notes->push_back("--per-dataset-sequences-path " + path + ": accepted, not read with --mock-data (as Megatron)");
+    return absl::OkStatus();
+  }
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return Refuse(fmt::format("--per-dataset-sequences-path: {}", StatusMessage(text.status())));
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (auto err = p.parse(*text).get(obj))
+    return Refuse(
+        fmt::format("--per-dataset-sequences-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
+  std::vector<std::string> prefixes;
+  for (const auto* list : {&o.data.data_path, &o.data.per_split_data_path[0], &o.data.per_split_data_path[1],
+                           &o.data.per_split_data_path[2]}) {
+    if (list->empty()) continue;
+    std::vector<std::string> names;
+    std::optional<std::vector<double>> weights;
+    PTK_RETURN_IF_ERROR(ParseBlend(*list, &names, &weights));
+    prefixes.insert(prefixes.end(), names.begin(), names.end());
+  }
+  const int64_t vocab = o.model.vocab_size > 0 ? o.model.vocab_size : 50257;
+  for (const std::string& prefix : prefixes) PTK_RETURN_IF_ERROR(CheckSequencesEntry(path, obj, prefix, vocab));
+  notes->push_back("--per-dataset-sequences-path " + path +
+                   ": accepted, its counts are each .idx header's, which ptk reads (checked)");
+  return absl::OkStatus();
+}
+
+// --exit-signal and --disable-bf16-reduced-precision-matmul, by what Megatron does with their values:
+// Megatron's --exit-signal is the one signal its --exit-signal-handler catches (a name of Python's
+// signal.Signals), read by nothing else; ptk's handler saves on SIGTERM, SIGUSR1 and SIGINT alike.
+// The matmul flag sets torch's allow_bf16_reduced_precision_reduction = False only with --bf16
+// (TransformerConfig.__post_init__); ptk's bf16 GEMMs leave cuBLASLt free to reduce split-K sums in bf16.
+absl::Status ResolveSignalAndMatmulFlags(const TrainFlags& f, std::vector<std::string>* notes) {
+  static constexpr const char* kCaught[] = {"SIGTERM", "SIGUSR1", "SIGINT"};
+  const std::string& sig = f.exit_signal;
+  if (!sig.empty()) {
+    const bool caught = std::find(std::begin(kCaught), std::end(kCaught), sig) != std::end(kCaught);
+    if (f.exit_signal_handler && !caught)
+      return Refuse("--exit-signal " + sig +
+                    ": ptk's --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT only; another signal is not "
+                    "caught");
+    if (!f.exit_signal_handler && (sig.size() < 4 || sig.compare(0, 3, "SIG") != 0))
+      return Refuse("--exit-signal " + sig + ": not a signal name (SIGTERM, SIGUSR1, ...)");
+    notes->push_back("--exit-signal " + sig +
+                     (f.exit_signal_handler ? ": accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"
+                                            : ": accepted, no effect without --exit-signal-handler (as Megatron)"));
+  }
+  if (f.disable_bf16_reduced_precision_matmul) {
+    if (f.bf16) return Refuse(train_flags::kBf16ReducedPrecisionMissing);
+    notes->push_back("--disable-bf16-reduced-precision-matmul: accepted, no effect without --bf16 (as Megatron)");
+  }
+  return absl::OkStatus();
+}
+
 // The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
 // device is known; notes for the flags accepted for compatibility.
 absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
@@ -130,6 +218,7 @@ absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std
     return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
   if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
     return Refuse("--recompute-granularity must be selective or full");
+  PTK_RETURN_IF_ERROR(ResolveSignalAndMatmulFlags(f, notes));
   train_flags::NoteCompatFlags(f, notes);
   return absl::OkStatus();
 }
@@ -371,6 +460,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   TrainOptions o = f.options;
   PTK_RETURN_IF_ERROR(ResolveModel(f, tp, &o, notes));
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
+  PTK_RETURN_IF_ERROR(CheckSequencesPerDataset(f, o, notes));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;

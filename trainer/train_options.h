@@ -82,6 +82,7 @@ struct TrainOptions {
   DataArgs data;
   bool mock_data = false;
   std::optional<std::string> data_cache_path;
+  double mid_level_dataset_surplus = 0.005;  // Megatron's --mid-level-dataset-surplus (blends only)
   uint32_t seed = 1234;
   std::string vocab_file, merge_file;
   // --make-vocab-size-divisible-by, recorded beside the padded vocabulary it gave (model.padded_vocab_size

@@ -91,6 +91,7 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   cfg.tokenizer = Gpt2TokenizerIdentifiers(o.vocab_file.empty() ? "gpt2-vocab.json" : o.vocab_file,
                                            o.merge_file.empty() ? "gpt2-merges.txt" : o.merge_file);
   cfg.path_to_cache = o.data_cache_path;
+  cfg.mid_level_dataset_surplus = o.mid_level_dataset_surplus;
   cfg.eod_mask_loss = o.eod_mask_loss;
   cfg.reset_position_ids = o.reset_position_ids;
   cfg.eod = o.eod;

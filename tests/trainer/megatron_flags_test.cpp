@@ -12,6 +12,7 @@
 #include <map>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -357,6 +358,54 @@ TEST_F(MegatronFlags, StartUpStagesArePrintedWithTheirTimes) {
 // pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's, Neuron's), each added to
 // a tiny run of its own: taken, taken with a note, or refused with the reason (never "unknown
 // flag"). The model's sizes are the tests' tiny ones; every other value is the script's.
+// --mid-level-dataset-surplus reaches the blend's builder: each dataset of a 0.5/0.5 blend of 8 training
+// samples is built for Megatron's ceil(ceil(8 x 0.5) x (1 + surplus)) samples, 5 by default and 8 at 1 (its
+// GPTDataset's cached description records them).
+TEST_F(MegatronFlags, MidLevelDatasetSurplusSizesTheBlendsDatasets) {
+  for (const auto& [surplus, built] : std::vector<std::pair<std::string, int>>{{"", 5}, {"1", 8}}) {
+    const auto cache = dir_ / ("surplus" + surplus);
+    auto r = RunCmd(testing::Tool("ptk-train") +
+                    " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --lr 1e-3"
+                    " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --eval-iters 0 --split 98,2,0"
+                    " --threads 2 --device cpu --data-path 0.5 " +
+                    ShellQuote(prefix_) + " 0.5 " + ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(cache) +
+                    (surplus.empty() ? "" : " --mid-level-dataset-surplus " + surplus));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::vector<std::string> counts;
+    for (const auto& e : std::filesystem::directory_iterator(cache))
+      if (e.path().filename().string().find("-GPTDataset-train-description.txt") != std::string::npos)
+        for (const std::string& n : Matches(testing::ReadFile(e.path()), "\"num_samples\": ([0-9]+)"))
+          counts.push_back(n);
+    EXPECT_EQ(counts, std::vector<std::string>{std::to_string(built)}) << "surplus " << surplus;
+  }
+}
+
+// --encoder-seq-length N is Megatron's other name for --seq-length N (validate_args): the same run, the same
+// losses; with --seq-length too it is refused, and without either --seq-length is still required.
+TEST_F(MegatronFlags, EncoderSeqLengthIsSeqLength) {
+  const std::string run = testing::Tool("ptk-train") +
+                          " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --lr 1e-3 --micro-batch-size 1"
+                          " --global-batch-size 2 --train-iters 3 --log-interval 1 --eval-iters 0 --split 98,2,0"
+                          " --threads 2 --device cpu --data-cache-path " +
+                          ShellQuote(dir_ / "cache") + " --data-path " + ShellQuote(prefix_);
+  auto seq = RunCmd(run + " --seq-length 16");
+  auto enc = RunCmd(run + " --encoder-seq-length 16");
+  ASSERT_EQ(seq.exit_code, 0) << seq.output;
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  const auto losses = Matches(seq.output, "lm loss: ([0-9.E+-]+)");
+  EXPECT_EQ(losses.size(), 3u) << seq.output;
+  EXPECT_EQ(Matches(enc.output, "lm loss: ([0-9.E+-]+)"), losses) << enc.output;
+  const auto footprint = Matches(seq.output, "(Theoretical memory footprints: [^\\n]*)");
+  EXPECT_EQ(footprint.size(), 1u) << seq.output;
+  EXPECT_EQ(Matches(enc.output, "(Theoretical memory footprints: [^\\n]*)"), footprint) << enc.output;
+  auto both = RunCmd(run + " --seq-length 16 --encoder-seq-length 16");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+  EXPECT_NE(both.output.find("--seq-length and --encoder-seq-length: give one"), std::string::npos) << both.output;
+  auto neither = RunCmd(run);
+  EXPECT_EQ(neither.exit_code, 2) << neither.output;
+  EXPECT_NE(neither.output.find("--seq-length is required"), std::string::npos) << neither.output;
+}
+
 TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
   enum Outcome { kTaken, kNoted, kRefused };
   struct Case {
@@ -370,6 +419,10 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
   const std::string vocab = ShellQuote(testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json"),
                     merges = ShellQuote(testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt");
   testing::WriteFile(dir_ / "data-args.txt", "1.0 " + prefix_ + "\n");
+  // Megatron's --per-dataset-sequences-path file: {prefix: [sequences, document indices]}, right and wrong.
+  const std::string seqs = dir_ / "seqs.json", bad_seqs = dir_ / "bad-seqs.json";
+  testing::WriteFile(seqs, "{\"" + prefix_ + "\": [400, 401]}");
+  testing::WriteFile(bad_seqs, "{\"" + prefix_ + "\": [400, 400]}");
   const std::vector<Case> cases = {
       // examples/gpt3/train_gpt3_175b_distributed.sh: GPT_MODEL_ARGS (sizes tiny)
       {"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32", kTaken,
@@ -478,6 +531,25 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--hierarchical-context-parallel-sizes 2 2", kRefused,
        "--hierarchical-context-parallel-sizes 2 2: this parallelism is not implemented"},
       {"--profile-ranks 0 1 --disable-jit-fuser", kNoted, "--profile-ranks 0 1: accepted"},
+      // Classified from Megatron 0.16.1's code: noted where ptk's result cannot change, refused by value otherwise.
+      {"--test-mode", kNoted, "--test-mode: accepted, this check is not run here"},
+      {"--te-rng-tracker", kNoted, "--te-rng-tracker: accepted, dropout masks are ptk's own function of --seed"},
+      {"--per-dataset-sequences-path " + seqs, kNoted,
+       "--per-dataset-sequences-path " + seqs + ": accepted, its counts are each .idx header's, which ptk reads"},
+      {"--per-dataset-sequences-path " + bad_seqs, kRefused,
+       " is [400, 400] there (uint16 tokens by the vocabulary), its .idx has 400 sequences, 401 document indices"},
+      {"--mock-data --per-dataset-sequences-path " + bad_seqs, kNoted,
+       "--per-dataset-sequences-path " + bad_seqs + ": accepted, not read with --mock-data (as Megatron)", true},
+      {"--exit-signal SIGHUP", kNoted, "--exit-signal SIGHUP: accepted, no effect without --exit-signal-handler"},
+      {"--exit-signal-handler --exit-signal SIGUSR1", kNoted,
+       "--exit-signal SIGUSR1: accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"},
+      {"--exit-signal-handler --exit-signal SIGHUP", kRefused,
+       "--exit-signal SIGHUP: ptk's --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT only"},
+      {"--exit-signal TERM", kRefused, "--exit-signal TERM: not a signal name"},
+      {"--disable-bf16-reduced-precision-matmul", kNoted,
+       "--disable-bf16-reduced-precision-matmul: accepted, no effect without --bf16 (as Megatron)"},
+      {"--dry-run --bf16 --disable-bf16-reduced-precision-matmul", kRefused,
+       "--disable-bf16-reduced-precision-matmul with --bf16: not implemented; ptk's bf16 GEMMs let cuBLASLt"},
       // Megatron's other spellings of flags ptk has
       {"--persistent-save-interval 10000", kNoted, "--save-interval 10000 without --save: nothing is saved"},
   };
