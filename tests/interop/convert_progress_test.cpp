@@ -80,17 +80,7 @@ class ConvertProgress : public ptk::testing::HfConvertFixture {
  protected:
   void SetUp() override {
     if (RunCmd("command -v script").exit_code != 0) GTEST_SKIP() << "no script(1)";
-    GPTConfig c;
-    c.num_layers = 2;
-    c.hidden_size = 8;
-    c.num_attention_heads = 2;
-    c.ffn_hidden_size = 24;
-    c.seq_length = 16;
-    c.max_position_embeddings = 16;
-    c.vocab_size = 50257;
-    c.padded_vocab_size = 50304;
-    c.untie_embeddings_and_output_weights = true;
-    SaveModel(c, dir_ / "ck", 3, {{"--vocab-size", "50257"}});
+    SaveSmallUntiedGpt2(dir_ / "ck");
   }
   // ptk-convert with `flags`, its stderr on a terminal (script(1)) or, `tty` false, a pipe.
   ptk::testing::CommandResult Convert(const std::string& flags, bool tty = true) {

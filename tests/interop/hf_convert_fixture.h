@@ -1,6 +1,6 @@
-// What the ptk-convert mapping tests share (hf_convert_test.cpp, hf_llama_convert_test.cpp): a ptk
-// checkpoint of a small model with distinct weights, as ptk-train saves it; ConvertOptions for a
-// direction; a tensor of an exported directory.
+// What the ptk-convert tests share (hf_convert_test.cpp, hf_llama_convert_test.cpp, hf_shards_test.cpp,
+// convert_progress_test.cpp): a ptk checkpoint of a small model with distinct weights, as ptk-train
+// saves it; ConvertOptions for a direction; a tensor of an exported directory.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,21 @@ class HfConvertFixture : public ::testing::Test {
     st.iteration = iteration;
     st.settings = std::move(settings);
     ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+  }
+  // A 2-layer, hidden-8 model with GPT-2's vocabulary (50257 padded to 50304) and untied output weights, saved at
+  // iteration 3 in `dir` (hf_shards_test, convert_progress_test).
+  void SaveSmallUntiedGpt2(const std::string& dir) {
+    GPTConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 8;
+    c.num_attention_heads = 2;
+    c.ffn_hidden_size = 24;
+    c.seq_length = 16;
+    c.max_position_embeddings = 16;
+    c.vocab_size = 50257;
+    c.padded_vocab_size = 50304;
+    c.untie_embeddings_and_output_weights = true;
+    SaveModel(c, dir, 3, {{"--vocab-size", "50257"}});
   }
   ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                       const std::string& to) {

@@ -84,19 +84,7 @@ TEST(ShardIndex, NamesAndJsonAsSavePretrainedWritesThem) {
 // A small GPT-2 model exported whole and sharded.
 class HfShards : public ptk::testing::HfConvertFixture {
  protected:
-  void SetUp() override {
-    GPTConfig c;
-    c.num_layers = 2;
-    c.hidden_size = 8;
-    c.num_attention_heads = 2;
-    c.ffn_hidden_size = 24;
-    c.seq_length = 16;
-    c.max_position_embeddings = 16;
-    c.vocab_size = 50257;
-    c.padded_vocab_size = 50304;
-    c.untie_embeddings_and_output_weights = true;
-    SaveModel(c, dir_ / "ck", 3, {{"--vocab-size", "50257"}});
-  }
+  void SetUp() override { SaveSmallUntiedGpt2(dir_ / "ck"); }
   absl::StatusOr<ConvertSummary> Export(const std::string& to, const std::string& max_shard_size) {
     ConvertOptions o = Opts("ptk", "hf", dir_ / "ck", to);
     o.max_shard_size = max_shard_size;
