@@ -177,6 +177,17 @@ TEST(Communicator, LocalIsTheIdentity) {
 namespace ptk {
 namespace {
 
+// Ranks 0 to n-1 of a job of `world` ranks meeting at `port` on this host, connected in turn (rank 0 serves the
+// others' stores) and appended to `stores`.
+template <typename StorePtr>
+void ConnectStores(int n, int world, int port, std::chrono::milliseconds timeout, std::vector<StorePtr>* stores) {
+  for (int r = 0; r < n; ++r) {
+    auto s = RendezvousStore::Connect(r, world, "127.0.0.1", port, timeout);
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores->push_back(*std::move(s));
+  }
+}
+
 // A rank whose communicator goes away (its process exited) fails the others' next collective at
 // once, and their error names it with its host; they learn it from rank 0's rendezvous store.
 TEST(Communicator, ARankThatLeavesIsNamed) {
@@ -246,12 +257,8 @@ TEST(Rendezvous, ARestartedRankWaitsForAFreshRankZero) {
 TEST(Rendezvous, ARanksOwnFailureEndsTheOthersWaitsNamingIt) {
   using std::chrono::milliseconds;
   const int port = testing::NextPort();
-  std::vector<std::unique_ptr<RendezvousStore>> stores(3);
-  for (int r = 0; r < 3; ++r) {
-    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(60000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(3, 3, port, milliseconds(60000), &stores));
   absl::StatusOr<std::string> waited = std::string("not yet");
   std::thread waiter([&] { waited = stores[2]->Get("never"); });
   std::this_thread::sleep_for(milliseconds(200));
@@ -279,12 +286,8 @@ TEST(Rendezvous, ARanksOwnFailureEndsTheOthersWaitsNamingIt) {
 TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
   using std::chrono::milliseconds;
   const int port = testing::NextPort();
-  std::vector<std::shared_ptr<RendezvousStore>> stores(3);
-  for (int r = 0; r < 3; ++r) {
-    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(60000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
+  std::vector<std::shared_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(3, 3, port, milliseconds(60000), &stores));
   EXPECT_FALSE(stores[2]->PollReportedFailure());
   {
     ReportedFailureWatch watch0(stores[0], milliseconds(10)), watch2(stores[2], milliseconds(10));
@@ -310,12 +313,8 @@ TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
 TEST(Rendezvous, TheTimeoutNamesEveryRankThatNeverJoined) {
   using std::chrono::milliseconds;
   const int port = testing::NextPort();
-  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 4, "127.0.0.1", port, milliseconds(1000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(2, 4, port, milliseconds(1000), &stores));
   for (const char* key : {"2", "ptk/nccl-joined/2"}) {
     const absl::StatusOr<std::string> got = stores[1]->Get(key);
     ASSERT_FALSE(got.ok());
@@ -332,12 +331,8 @@ TEST(Rendezvous, TheTimeoutNamesEveryRankThatNeverJoined) {
 TEST(Rendezvous, ARankZeroThatExitedIsSaidToHaveExited) {
   using std::chrono::milliseconds;
   const int port = testing::NextPort();
-  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(10000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(2, 2, port, milliseconds(10000), &stores));
   stores[0].reset();
   EXPECT_EQ(stores[1]->DiagnosePeers("all-gather: Connection reset by peer"),
             "rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)");
@@ -353,11 +348,7 @@ struct HandRank {
 // Ranks 0 and 1 of a job of 3 ranks through RendezvousStore, and rank 2 by hand.
 void JoinTwoAndOneByHand(int port, std::vector<std::unique_ptr<RendezvousStore>>* stores, const HandRank& hand) {
   namespace wire = rendezvous_detail;
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, std::chrono::milliseconds(10000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores->push_back(*std::move(s));
-  }
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(2, 3, port, std::chrono::milliseconds(10000), stores));
   ASSERT_GE(hand.fd, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -445,12 +436,8 @@ TEST(Rendezvous, ARankThatReadsNoAnswerHoldsNoOtherRank) {
 TEST(Rendezvous, HeardFailureDoesNotWaitForAnotherThreadsRequest) {
   using std::chrono::milliseconds;
   const int port = testing::NextPort();
-  std::vector<std::shared_ptr<RendezvousStore>> stores(2);
-  for (int r = 0; r < 2; ++r) {
-    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(5000));
-    ASSERT_TRUE(s.ok()) << s.status();
-    stores[static_cast<size_t>(r)] = *std::move(s);
-  }
+  std::vector<std::shared_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(2, 2, port, milliseconds(5000), &stores));
   std::atomic<bool> got{false};
   absl::StatusOr<std::string> value = std::string("not yet");
   std::thread waiter([&] {
