@@ -101,6 +101,26 @@ absl::StatusOr<bool> MoveArena(char** arena, int64_t old_bytes, int64_t bytes, i
 }  // namespace
 
 template <typename T>
+CudaGPTModelImpl<T>::~CudaGPTModelImpl() {
+  worker_.reset();
+  if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+  if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+  for (cudaEvent_t e : bucket_events_) cudaEventDestroy(e);
+  if (comm_done_) cudaEventDestroy(comm_done_);
+  if (comm_stream_) cudaStreamDestroy(comm_stream_);
+  for (auto& m : marks_) cudaEventDestroy(m.second);
+  for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : inputs_copied_)
+    if (e) cudaEventDestroy(e);
+  if (arena_) cudaFree(arena_);
+  if (adamw_table_) cudaFree(adamw_table_);
+  if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
+  if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
+  if (ctx_.cublas) cublasDestroy(ctx_.cublas);
+  if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
+}
+
+template <typename T>
 absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t micro_batch_size, bool profile,
                                        const CudaModelOptions& options) {
   profile_ = profile;

@@ -22,39 +22,11 @@
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
+#include "trainer/cuda/pinned_buffer.h"
 #include "trainer/gpt_model.h"
 
 // Implementation details of the CUDA model, named only by its files.
 namespace ptk::cuda::model_detail {
-
-// Page-locked host memory: the micro-batch inputs and the losses travel through it, so the copies
-// are asynchronous and run at full PCIe speed.
-class Pinned {
- public:
-  Pinned() = default;
-  Pinned(const Pinned&) = delete;
-  Pinned& operator=(const Pinned&) = delete;
-  ~Pinned() {
-    if (p_) cudaFreeHost(p_);
-  }
-  absl::Status Reserve(size_t bytes) {
-    if (bytes <= bytes_) return absl::OkStatus();
-    if (p_) cudaFreeHost(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-    PTK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p_, bytes), fmt::format("pinned host buffer of {}", FormatBytes(bytes)));
-    bytes_ = bytes;
-    return absl::OkStatus();
-  }
-  template <typename U>
-  U* at(size_t offset) {
-    return reinterpret_cast<U*>(static_cast<char*>(p_) + offset);
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 inline int64_t AlignUp(int64_t x) {
   return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
@@ -80,24 +52,8 @@ class CudaGPTModelImpl final : public GPTModel {
   // Tensor parallelism: the group this rank's partition communicates over (NCCL: device
   // collectives on the compute stream); it must outlive the model.
   void SetTensorComm(Communicator* tensor) { tensor_comm_ = tensor; }
-  ~CudaGPTModelImpl() override {
-    worker_.reset();
-    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
-    if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
-    for (cudaEvent_t e : bucket_events_) cudaEventDestroy(e);
-    if (comm_done_) cudaEventDestroy(comm_done_);
-    if (comm_stream_) cudaStreamDestroy(comm_stream_);
-    for (auto& m : marks_) cudaEventDestroy(m.second);
-    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    for (cudaEvent_t e : inputs_copied_)
-      if (e) cudaEventDestroy(e);
-    if (arena_) cudaFree(arena_);
-    if (adamw_table_) cudaFree(adamw_table_);
-    if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
-    if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
-    if (ctx_.cublas) cublasDestroy(ctx_.cublas);
-    if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
-  }
+  // cuda_gpt_model.cpp, beside Init: what Init and the passes created, destroyed once the streams drain.
+  ~CudaGPTModelImpl() override;
 
   // cuda_gpt_model.cpp: the device, its handles and the first plan.
   absl::Status Init(int device, bool deterministic, int64_t micro_batch_size, bool profile,

@@ -41,7 +41,7 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
 template <typename T>
 absl::Status BiasBackward(float* dbias, const T* dout, int64_t n, int64_t oc, const CudaContext& ctx);
 
-// ---- layernorm_cuda.cu -------------------------------------------------------------------------
+// ---- layernorm_cuda.cu (forward), layernorm_backward_cuda.cu -----------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
 // master weights: LayerNorm parameters are never rounded). Statistics summed in double, as the CPU
 // op; mean and rstd may be null (evaluation).
