@@ -14,8 +14,6 @@ namespace ptk {
 absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const DryRunCluster& cluster,
                                                  std::vector<std::string>* notes) {
   if (flags.fp16 && flags.bf16) return UsageError("--fp16 and --bf16: give one precision");
-  if (flags.bf16 && flags.disable_bf16_reduced_precision_matmul)  // --bf16 is cleared below
-    return UsageError(train_flags::kBf16ReducedPrecisionMissing);
   // The checks of a real run on a copy that one process on this machine can pass: the plan is of
   // another machine's run (its GPUs, its files).
   PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(flags));
@@ -26,6 +24,9 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   f.decoder_first_pipeline_num_layers.reset();
   f.decoder_last_pipeline_num_layers.reset();
   f.device = "cpu";
+  // With --bf16, --disable-bf16-reduced-precision-matmul changes how the products sum, not the plan's
+  // memory; cleared with --bf16, it would be noted as having no effect.
+  if (f.bf16) f.disable_bf16_reduced_precision_matmul = false;
   f.fp16 = f.bf16 = f.profile = false;
   f.options.backend.profile = false;
   f.data_args_path.clear();

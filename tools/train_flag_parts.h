@@ -77,11 +77,6 @@ inline constexpr const char* kCheckpointForcedFlags[] = {
     "--apply-layernorm-1p",
 };
 
-// --disable-bf16-reduced-precision-matmul with --bf16, refused by a run and by --dry-run alike.
-inline constexpr const char* kBf16ReducedPrecisionMissing =
-    "--disable-bf16-reduced-precision-matmul with --bf16: not implemented; ptk's bf16 GEMMs let cuBLASLt choose "
-    "split-K reductions, which may sum in bf16 (torch's allow_bf16_reduced_precision_reduction)";
-
 // Megatron's flags for other models than ptk's, each declared to be refused by RefuseOtherModel
 // with what ptk's model has instead (in the "unsupported" group of --help).
 void AddModelRefusalFlags(CLI::App* app, TrainFlags* f);

@@ -247,8 +247,8 @@ void AddPrecisionFlags(CLI::App* app, TrainFlags* f) {
                 "fp16 mixed precision with dynamic loss scaling (--device cuda; fp32 master weights, moments, loss)");
   app->add_flag("--bf16", f->bf16, "bf16 mixed precision (--device cuda; fp32 master weights, moments, loss)");
   app->add_flag("--disable-bf16-reduced-precision-matmul", f->disable_bf16_reduced_precision_matmul,
-                "Without --bf16 no effect (as Megatron); with --bf16 refused (cuBLASLt may reduce split-K sums in "
-                "bf16 here)");
+                "With --bf16 (--device cuda): the products' split-K partial sums in fp32, never in bf16 (torch's "
+                "allow_bf16_reduced_precision_reduction = False); without --bf16 no effect (as Megatron)");
   app->add_option("--device", f->device,
                   "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));

@@ -178,7 +178,8 @@ absl::Status CheckSequencesPerDataset(const TrainFlags& f, const TrainOptions& o
 // Megatron's --exit-signal is the one signal its --exit-signal-handler catches (a name of Python's
 // signal.Signals), read by nothing else; ptk's handler saves on SIGTERM, SIGUSR1 and SIGINT alike.
 // The matmul flag sets torch's allow_bf16_reduced_precision_reduction = False only with --bf16
-// (TransformerConfig.__post_init__); ptk's bf16 GEMMs leave cuBLASLt free to reduce split-K sums in bf16.
+// (TransformerConfig.__post_init__): ResolveRunSettings passes it to the CUDA backend then, and notes it
+// as no effect without --bf16.
 absl::Status ResolveSignalAndMatmulFlags(const TrainFlags& f, std::vector<std::string>* notes) {
   static constexpr const char* kCaught[] = {"SIGTERM", "SIGUSR1", "SIGINT"};
   const std::string& sig = f.exit_signal;
@@ -194,10 +195,8 @@ absl::Status ResolveSignalAndMatmulFlags(const TrainFlags& f, std::vector<std::s
                      (f.exit_signal_handler ? ": accepted, --exit-signal-handler saves on SIGTERM, SIGUSR1 and SIGINT"
                                             : ": accepted, no effect without --exit-signal-handler (as Megatron)"));
   }
-  if (f.disable_bf16_reduced_precision_matmul) {
-    if (f.bf16) return Refuse(train_flags::kBf16ReducedPrecisionMissing);
+  if (f.disable_bf16_reduced_precision_matmul && !f.bf16)
     notes->push_back("--disable-bf16-reduced-precision-matmul: accepted, no effect without --bf16 (as Megatron)");
-  }
   return absl::OkStatus();
 }
 
@@ -365,6 +364,8 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
                                                                : SchedulerOnLoad::kCheck;
   o.backend.device = device;
   o.backend.precision = precision;
+  o.backend.disable_bf16_reduced_precision_matmul =
+      f.disable_bf16_reduced_precision_matmul && precision == Precision::kBf16;
   if (f.profile) {
     if (device == Device::kCuda) {
       o.backend.profile = true;

@@ -96,6 +96,24 @@ const char* const kCudaTensorParallelMissing =
     "(--distributed-backend nccl, the default with --device cuda); gloo's tensor parallelism runs on the CPU "
     "backend (--device cpu)";
 
+cuda::ModelOptions CudaModuleOptions(const BackendOptions& backend) {
+  const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
+  cuda::ModelOptions o;
+  o.precision = backend.precision;
+  o.device_index = backend.device_index;
+  o.deterministic = backend.deterministic;
+  o.micro_batch_size = backend.micro_batch_size;
+  o.profile = backend.profile;
+  o.sync_ops = backend.sync_ops;
+  o.disable_bf16_reduced_precision_matmul = backend.disable_bf16_reduced_precision_matmul;
+  o.tensor_comm = tp ? backend.tensor_comm : nullptr;
+  o.pipeline_stage = backend.pipeline_stage;
+  o.sequence_parallel = tp && backend.sequence_parallel;
+  // Context parallelism: the model refuses what its CUDA path lacks (a group without device collectives: gloo).
+  o.context_comm = backend.context_comm && backend.context_comm->size() > 1 ? backend.context_comm : nullptr;
+  return o;
+}
+
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
@@ -110,19 +128,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
-  cuda::ModelOptions o;
-  o.precision = backend.precision;
-  o.device_index = backend.device_index;
-  o.deterministic = backend.deterministic;
-  o.micro_batch_size = backend.micro_batch_size;
-  o.profile = backend.profile;
-  o.sync_ops = backend.sync_ops;
-  o.tensor_comm = tp ? backend.tensor_comm : nullptr;
-  o.pipeline_stage = backend.pipeline_stage;
-  o.sequence_parallel = tp && backend.sequence_parallel;
-  // Context parallelism: the model refuses what its CUDA path lacks (a group without device collectives: gloo).
-  o.context_comm = backend.context_comm && backend.context_comm->size() > 1 ? backend.context_comm : nullptr;
-  return (*cuda)->CreateModel(config, o);
+  return (*cuda)->CreateModel(config, CudaModuleOptions(backend));
 }
 
 }  // namespace ptk

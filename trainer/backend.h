@@ -16,6 +16,10 @@ struct BackendOptions {
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
+  // --disable-bf16-reduced-precision-matmul (set with --bf16 only, as Megatron): the CUDA backend's bf16
+  // products reduce their split-K partial sums in fp32, never in bf16. The CPU backend's products
+  // accumulate in fp32 anyway.
+  bool disable_bf16_reduced_precision_matmul = false;
   // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
   // backend partitions the model over it (the CUDA backend's must be NCCL's: device collectives).
   Communicator* tensor_comm = nullptr;
@@ -35,7 +39,8 @@ extern const char* const kCudaTensorParallelMissing;
 
 namespace cuda {
 class Backend;
-}
+struct ModelOptions;
+}  // namespace cuda
 
 // Whether this build has the CUDA backend (the module lib/ptk/libptk_backend_cuda.so, built where
 // nvcc was found).
@@ -46,6 +51,9 @@ bool CudaBuilt();
 // CUDA library it needs) when it cannot be loaded, or when the build has no CUDA backend. Nothing
 // else loads a CUDA library: a CPU run never calls this.
 absl::StatusOr<const cuda::Backend*> LoadCudaBackend();
+// What CreateModel asks of the CUDA backend's module for `backend` (groups of one rank left out);
+// trainer/cuda/backend_module.h defines the type.
+cuda::ModelOptions CudaModuleOptions(const BackendOptions& backend);
 // Whether an NVIDIA driver is installed (/proc/driver/nvidia, /dev/nvidiactl, or WSL's /dev/dxg):
 // without one, no CUDA device can be visible, and the CUDA backend is not loaded to find out.
 bool NvidiaDriverPresent();

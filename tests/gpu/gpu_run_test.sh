@@ -355,7 +355,7 @@ if [ -e $L/libcudart.so ] && [ -e $L/libcublasLt.so ] && [ -e $L/libcudnn.so ] &
   rm -rf "$T/stage"
   mkdir -p "$T/stage/ptk-gpu/bin" "$T/stage/ptk-gpu/tests" "$T/stage/ptk-gpu/lib/ptk" "$T/module"
   cc -o "$T/stage/ptk-gpu/bin/ptk-train" "$T/m.c"
-  echo 'int ptk_backend_cuda_v10(void) { return 0; }' > "$T/mod.c"
+  echo 'int ptk_backend_cuda_v11(void) { return 0; }' > "$T/mod.c"
   cc -shared -fPIC -o "$T/stage/ptk-gpu/lib/ptk/libptk_backend_cuda.so" "$T/mod.c" -Wl,--no-as-needed -L$L \
     -lcudart -lcublasLt -lcudnn -lnccl
   echo '[]' > "$T/stage/ptk-gpu/tests/gpu-tests.json"

@@ -1,6 +1,7 @@
-// What the CUDA attention tests share: a device array that uploads a host vector and downloads it back (failures are
-// test failures, not exceptions), the uniform random inputs, a context as the CUDA model makes one (Gpu), and
-// STATUS_OK (an absl::Status expression asserted ok, the expression and the status in the message).
+// What the CUDA attention and product tests share: a device array that uploads a host vector and downloads it back
+// (failures are test failures, not exceptions), the uniform random inputs and their conversions, a context as the CUDA
+// model makes one (Gpu), and STATUS_OK (an absl::Status expression asserted ok, the expression and the status in the
+// message).
 #pragma once
 
 #include <cublasLt.h>
@@ -8,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <random>
@@ -62,6 +64,25 @@ inline std::vector<float> Random(size_t n, uint64_t seed, float lo = -1.0f, floa
   return v;
 }
 
+// Host values rounded to T; T's values (or doubles') widened; absolute values.
+template <typename T>
+std::vector<T> ToT(const std::vector<float>& v) {
+  std::vector<T> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = FromFloat<T>(v[i]);
+  return o;
+}
+template <typename T>
+std::vector<double> ToDouble(const std::vector<T>& v) {
+  std::vector<double> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = static_cast<double>(ToFloat(v[i]));
+  return o;
+}
+template <typename V>
+std::vector<V> Abs(const std::vector<V>& v) {
+  std::vector<V> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = std::fabs(v[i]);
+  return o;
+}
 // A context as the CUDA model makes one: stream, cuBLAS (pedantic math), cuBLASLt, 64 MiB workspace.
 class Gpu {
  public:

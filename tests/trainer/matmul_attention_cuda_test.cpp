@@ -42,30 +42,15 @@ namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
+using cuda_test::Abs;
 using cuda_test::DeviceBuffer;
 using cuda_test::Gpu;
 using cuda_test::Random;
+using cuda_test::ToDouble;
+using cuda_test::ToT;
 
 // ---- host data ---------------------------------------------------------------------------------
 
-template <typename T>
-std::vector<T> ToT(const std::vector<float>& v) {
-  std::vector<T> o(v.size());
-  for (size_t i = 0; i < v.size(); ++i) o[i] = FromFloat<T>(v[i]);
-  return o;
-}
-template <typename T>
-std::vector<double> ToDouble(const std::vector<T>& v) {
-  std::vector<double> o(v.size());
-  for (size_t i = 0; i < v.size(); ++i) o[i] = static_cast<double>(ToFloat(v[i]));
-  return o;
-}
-template <typename V>
-std::vector<V> Abs(const std::vector<V>& v) {
-  std::vector<V> o(v.size());
-  for (size_t i = 0; i < v.size(); ++i) o[i] = std::fabs(v[i]);
-  return o;
-}
 template <typename V>
 double MaxAbs(const std::vector<V>& v) {
   double m = 0;

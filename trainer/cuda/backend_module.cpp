@@ -6,20 +6,26 @@
 #include "trainer/cuda/cuda_gpt_model.h"
 
 namespace ptk::cuda {
+
+CudaModelOptions CudaModelOptionsOf(const ModelOptions& o) {
+  CudaModelOptions options;
+  options.sync_ops = o.sync_ops;
+  options.disable_bf16_reduced_precision_matmul = o.disable_bf16_reduced_precision_matmul;
+  options.tensor = o.tensor_comm;
+  options.pipeline = o.pipeline_stage;
+  options.sequence_parallel = o.sequence_parallel;
+  options.context = o.context_comm;
+  return options;
+}
+
 namespace {
 
 class CudaBackend final : public Backend {
  public:
   int VisibleDeviceCount() const override { return cuda::VisibleDeviceCount(); }
   absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const ModelOptions& o) const override {
-    CudaModelOptions options;
-    options.sync_ops = o.sync_ops;
-    options.tensor = o.tensor_comm;
-    options.pipeline = o.pipeline_stage;
-    options.sequence_parallel = o.sequence_parallel;
-    options.context = o.context_comm;
     return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
-                              options);
+                              CudaModelOptionsOf(o));
   }
   absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& options) const override {
     return MakeNcclCommunicator(options);
@@ -29,7 +35,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v10() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v11() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

@@ -51,6 +51,9 @@ struct CudaContext {
   size_t workspace_bytes = 0;
   void* cudnn = nullptr;       // cudnnHandle_t (kept opaque so this header needs no cudnn.h)
   bool deterministic = false;  // --deterministic-mode: no atomics-ordered reductions, fixed algorithms
+  // --disable-bf16-reduced-precision-matmul (with --bf16): the products' split-K partial sums never in
+  // a bf16/fp16 output type, only in fp32 (gemm_plan.h's ReductionSchemeMask)
+  bool disallow_reduced_precision_reduction = false;
   int sm_major = 0, sm_minor = 0, num_sms = 0;
   GemmFallbacks* fallbacks = nullptr;  // the model's count of cuBLASLt fallbacks (may be null)
 };

@@ -147,6 +147,8 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   ctx_.sm_minor = prop.minor;
   ctx_.num_sms = prop.multiProcessorCount;
   ctx_.deterministic = deterministic;
+  ctx_.disallow_reduced_precision_reduction =
+      options.disable_bf16_reduced_precision_matmul && std::is_same_v<T, __nv_bfloat16>;
   device_name_ = prop.name;
   LogVersionsOnce(device);
   if (kFlash && prop.major < 8)
@@ -162,6 +164,13 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   // fallbacks) use the tensor cores.
   if constexpr (!kFlash)
     PTK_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(ctx_.cublas, CUBLAS_PEDANTIC_MATH), "cuBLAS math mode");
+  // torch's own switch for allow_bf16_reduced_precision_reduction = False, for the cublasGemmEx
+  // fallbacks; the cuBLASLt products restrict their reduction schemes (matmul_cuda.cu).
+  if (ctx_.disallow_reduced_precision_reduction)
+    PTK_CUBLAS_RETURN_IF_ERROR(
+        cublasSetMathMode(ctx_.cublas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                                                 CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+        "cuBLAS math mode");
   ctx_.fallbacks = &fallbacks_;
   PTK_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&ctx_.cublaslt), "creating the cuBLASLt handle");
   if (kFlash) PTK_RETURN_IF_ERROR(CreateCudnnHandle(&ctx_));

@@ -38,6 +38,11 @@ struct CudaModelOptions {
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;
+  // Megatron's --disable-bf16-reduced-precision-matmul (torch's allow_bf16_reduced_precision_reduction =
+  // False), read in bf16 only: every product's split-K partial sums in fp32, never in bf16 (cuBLASLt's
+  // reduction schemes restricted, gemm_plan.h; the cuBLAS handle's CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+  // for the cublasGemmEx fallbacks).
+  bool disable_bf16_reduced_precision_matmul = false;
   // The LM head's logits are computed in chunks of rows within this many bytes; 0: sized from the
   // device's free memory (PlanMemoryWithin: every row in one chunk where the plan fits, else the
   // room left in whole tiles of rows, at least 256 MiB), or 256 MiB under tensor parallelism (the

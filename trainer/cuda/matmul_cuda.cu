@@ -17,8 +17,11 @@
 // Algorithms come from cublasLtMatmulAlgoGetHeuristic with the context's workspace and the
 // pointers' real alignment, once per shape (a small cache, negative answers included); a shape
 // cuBLASLt has no algorithm for falls back to cublasGemmEx (the same types) and, for the
-// epilogues, to the separate bias and GELU kernels below. With ctx.deterministic, split-K
-// reduction schemes are excluded (cuBLASLt orders them anyway; this is the conservative choice).
+// epilogues, to the separate bias and GELU kernels below. The split-K reduction schemes the search
+// may choose are gemm_plan.h's ReductionSchemeMask: none with ctx.deterministic; with
+// ctx.disallow_reduced_precision_reduction (--disable-bf16-reduced-precision-matmul) a bf16/fp16
+// output's partial sums in fp32 only, as the cuBLAS handle's CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+// (the model sets it) asks of the cublasGemmEx fallback.
 // dbias is a column-sum kernel (fp32, a fixed order) rather than the BGRADB epilogue, which
 // assigns instead of accumulating and rounds to the output type.
 //
@@ -36,15 +39,22 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "common/logging.h"
+#include "common/status.h"
+#include "trainer/cuda/gemm_plan.h"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/op_math.h"
 
 namespace ptk::cuda {
 namespace {
+
+using gemm_detail::AlignmentOf;
+using gemm_detail::GemmSpec;
+using gemm_detail::MakePlanKey;
+using gemm_detail::PlanKey;
+using gemm_detail::ReductionSchemeMask;
 
 template <typename T>
 constexpr const char* TypeLabel() {
@@ -120,41 +130,6 @@ unsigned Blocks(int64_t work, int threads) {
 }
 
 // ---- cuBLASLt plans ----------------------------------------------------------------------------
-
-// Largest power of two (at most 256) that divides the address: what cuBLASLt's MIN_ALIGNMENT
-// preferences ask for (their default, 256, would exclude every algorithm for a sub-view).
-uint32_t AlignmentOf(const void* p) {
-  const auto v = reinterpret_cast<uintptr_t>(p);
-  if (v == 0) return 256;
-  uint32_t a = 1;
-  while (a < 256 && v % (2 * static_cast<uintptr_t>(a)) == 0) a *= 2;
-  return a;
-}
-
-struct GemmSpec {
-  cublasOperation_t trans_a, trans_b;
-  int64_t m, n, k, lda, ldb, ldc;
-  cudaDataType_t ab_type, c_type;
-  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  const void* bias = nullptr;  // BIAS epilogues
-  void* aux = nullptr;         // GELU_AUX epilogues (ld = m)
-};
-
-struct PlanKey {
-  int device;
-  const void* handle;
-  int trans_a, trans_b;
-  int64_t m, n, k, lda, ldb, ldc;
-  int ab_type, c_type, epilogue;
-  uint32_t align_a, align_b, align_c, align_bias, align_aux;
-  size_t workspace_bytes;
-  bool deterministic;
-  auto Tie() const {
-    return std::tie(device, handle, trans_a, trans_b, m, n, k, lda, ldb, ldc, ab_type, c_type, epilogue, align_a,
-                    align_b, align_c, align_bias, align_aux, workspace_bytes, deterministic);
-  }
-  bool operator<(const PlanKey& o) const { return Tie() < o.Tie(); }
-};
 
 struct Plan {
   bool supported = false;
@@ -232,8 +207,8 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   PTK_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)),
       where);
-  if (ctx.deterministic) {
-    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE;
+  const uint32_t schemes = ReductionSchemeMask(ctx.deterministic, ctx.disallow_reduced_precision_reduction, g.c_type);
+  if (schemes != CUBLASLT_REDUCTION_SCHEME_MASK) {
     PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                                                     &schemes, sizeof(schemes)),
                                where);
@@ -290,33 +265,11 @@ void NoteFallback(const GemmSpec& g, const CudaContext& ctx, const std::string& 
                g.epilogue == CUBLASLT_EPILOGUE_DEFAULT ? "" : " and a separate kernel for the epilogue");
 }
 
-// D = alpha op(A) op(B) + beta C (C = D), through a cached cuBLASLt plan. *ran is false when
-// cuBLASLt has no algorithm for it (nothing was launched; the fallback is counted and warned).
-absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, float alpha, float beta,
-                    const CudaContext& ctx, const std::string& where, bool* ran) {
-  *ran = false;
+// The cached plan of this product (built on first use). The caller holds PlanMutex().
+absl::StatusOr<Plan*> CachedPlan(const GemmSpec& g, const void* A, const void* B, const void* C, const CudaContext& ctx,
+                                 const std::string& where) {
   if (!ctx.cublaslt) return absl::FailedPreconditionError(fmt::format("{}: the context has no cuBLASLt handle", where));
-  PlanKey key{ctx.device,
-              ctx.cublaslt,
-              static_cast<int>(g.trans_a),
-              static_cast<int>(g.trans_b),
-              g.m,
-              g.n,
-              g.k,
-              g.lda,
-              g.ldb,
-              g.ldc,
-              static_cast<int>(g.ab_type),
-              static_cast<int>(g.c_type),
-              static_cast<int>(g.epilogue),
-              AlignmentOf(A),
-              AlignmentOf(B),
-              AlignmentOf(C),
-              g.bias ? AlignmentOf(g.bias) : 0u,
-              g.aux ? AlignmentOf(g.aux) : 0u,
-              ctx.workspace ? ctx.workspace_bytes : 0,
-              ctx.deterministic};
-  std::lock_guard<std::mutex> lock(PlanMutex());
+  const PlanKey key = MakePlanKey(g, A, B, C, ctx);
   auto& cache = PlanCache();
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -331,7 +284,17 @@ absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, fl
     }
     it = cache.emplace(key, plan).first;
   }
-  Plan& plan = it->second;
+  return &it->second;
+}
+
+// D = alpha op(A) op(B) + beta C (C = D), through a cached cuBLASLt plan. *ran is false when
+// cuBLASLt has no algorithm for it (nothing was launched; the fallback is counted and warned).
+absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, float alpha, float beta,
+                    const CudaContext& ctx, const std::string& where, bool* ran) {
+  *ran = false;
+  std::lock_guard<std::mutex> lock(PlanMutex());
+  PTK_ASSIGN_OR_RETURN(Plan * found, CachedPlan(g, A, B, C, ctx, where));
+  Plan& plan = *found;
   if (!plan.supported) {
     NoteFallback(g, ctx, where);
     return absl::OkStatus();
@@ -395,6 +358,13 @@ absl::Status Gemm(const GemmSpec& g, const void* A, const void* B, void* C, floa
   return LegacyGemm(plain, A, B, C, alpha, beta, ctx, where);
 }
 
+// MatmulForward's product: out^T(oc, n) = w(oc, ic) inp^T(ic, n) (the opening comment's first line).
+template <typename T>
+GemmSpec ForwardSpec(int64_t n, int64_t ic, int64_t oc) {
+  constexpr cudaDataType_t kType = CudaDataType<T>();
+  return GemmSpec{CUBLAS_OP_T, CUBLAS_OP_N, oc, n, ic, ic, ic, oc, kType, kType};
+}
+
 }  // namespace
 
 template <typename T>
@@ -406,8 +376,7 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
     return absl::InvalidArgumentError(fmt::format("{}: sizes must be positive (n may be 0)", where));
   if (!out || !inp || !w) return absl::InvalidArgumentError(fmt::format("{}: out, inp and w must be set", where));
   if (n == 0) return absl::OkStatus();
-  constexpr cudaDataType_t kType = CudaDataType<T>();
-  GemmSpec g{CUBLAS_OP_T, CUBLAS_OP_N, oc, n, ic, ic, ic, oc, kType, kType};
+  const GemmSpec g = ForwardSpec<T>(n, ic, oc);
 
   // bf16/fp16 with GELU: the fused epilogue first (D = gelu_out, aux = out, the pre-activation).
   if (gelu_out && !std::is_same_v<T, float> && oc % 8 == 0) {
@@ -510,12 +479,39 @@ absl::Status BiasBackward(float* dbias, const T* dout, int64_t n, int64_t oc, co
   return ColumnSums(dbias, dout, n, oc, ctx, where);
 }
 
+namespace gemm_detail {
+
+template <typename T>
+absl::StatusOr<GemmAlgoChoice> MatmulForwardAlgo(const T* inp, const T* w, T* out, int64_t n, int64_t ic, int64_t oc,
+                                                 const CudaContext& ctx) {
+  const std::string where = fmt::format("MatmulForwardAlgo<{}>(n={}, ic={}, oc={})", TypeLabel<T>(), n, ic, oc);
+  if (n <= 0 || ic <= 0 || oc <= 0) return absl::InvalidArgumentError(fmt::format("{}: sizes must be positive", where));
+  std::lock_guard<std::mutex> lock(PlanMutex());
+  PTK_ASSIGN_OR_RETURN(const Plan* plan, CachedPlan(ForwardSpec<T>(n, ic, oc), w, inp, out, ctx, where));
+  GemmAlgoChoice choice;
+  if (!plan->supported) return choice;
+  choice.cublaslt = true;
+  size_t written = 0;
+  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                                  &choice.splitk, sizeof(choice.splitk), &written),
+                             where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &choice.reduction_scheme,
+                                           sizeof(choice.reduction_scheme), &written),
+      where);
+  return choice;
+}
+
+}  // namespace gemm_detail
+
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,                  \
                                          const CudaContext&, T*);                                                      \
   template absl::Status MatmulBackward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t, int64_t, \
                                           const CudaContext&, bool, const T*);                                         \
-  template absl::Status BiasBackward<T>(float*, const T*, int64_t, int64_t, const CudaContext&);
+  template absl::Status BiasBackward<T>(float*, const T*, int64_t, int64_t, const CudaContext&);                       \
+  template absl::StatusOr<gemm_detail::GemmAlgoChoice> gemm_detail::MatmulForwardAlgo<T>(                              \
+      const T*, const T*, T*, int64_t, int64_t, int64_t, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
