@@ -26,6 +26,14 @@ TEST(CudaModel, Fp32StepMatchesTheCpuWithDropout) {
 TEST(CudaModel, Bf16StepMatchesTheCpu) {
   ExpectOneStepMatches(SmallConfig(/*dropout=*/false), Precision::kBf16, 1e-2, 6e-2, "the GPT model");
 }
+// --disable-bf16-reduced-precision-matmul: every product planned with its split-K sums kept in fp32
+// (not deterministic: --deterministic-mode allows no split-K at all), the same bounds.
+TEST(CudaModel, Bf16StepWithoutBf16ReductionsMatchesTheCpu) {
+  cuda::CudaModelOptions exact;
+  exact.disable_bf16_reduced_precision_matmul = true;
+  ExpectOneStepMatches(SmallConfig(/*dropout=*/false), Precision::kBf16, 1e-2, 6e-2,
+                       "the GPT model, --disable-bf16-reduced-precision-matmul", exact, /*deterministic=*/false);
+}
 TEST(CudaModel, Fp16StepMatchesTheCpu) {
   ExpectOneStepMatches(SmallConfig(/*dropout=*/false), Precision::kFp16, 5e-3, 3e-2, "the GPT model");
 }

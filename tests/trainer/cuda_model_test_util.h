@@ -163,12 +163,14 @@ inline SchedulerConfig Schedule() {
 
 // One step on both backends from the same weights: the loss within loss_tol relative, every
 // tensor's gradient within grad_tol (relative L2); the same layout (names, offsets) on both; in
-// fp32 without dropout, evaluation (Forward) gives the training pass's loss.
+// fp32 without dropout, evaluation (Forward) gives the training pass's loss. The CUDA model
+// deterministic unless `deterministic` is false, with `options`.
 inline void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_tol, double grad_tol,
-                                 const std::string& what) {
+                                 const std::string& what, const cuda::CudaModelOptions& options = {},
+                                 bool deterministic = true) {
   Batches data(1, c.vocab_size);
   auto cpu = Cpu(c);
-  auto gpu = Cuda(c, p);
+  auto gpu = Cuda(c, p, deterministic, options);
   ASSERT_TRUE(gpu) << what;
   if (c.qk_layernorm || c.apply_layernorm_1p) {
     ASSERT_NO_FATAL_FAILURE(PerturbQKNorms(cpu.get()));
