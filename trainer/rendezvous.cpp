@@ -45,6 +45,14 @@ std::string AbortValue(const absl::Status& failure, const std::string& who) {
   return (IsUsageError(failure) ? "u\t" : "f\t") + text;
 }
 
+// What became of a rank whose connection to rank 0's store ended (its peer-list state: "left" or
+// kDroppedState), after "rank N (host H) ".
+std::string GoneWords(const std::string& state) {
+  if (state == kDroppedState)
+    return "was disconnected by the rendezvous store: it stopped reading its answers (stopped or hung)";
+  return "exited (its connection to the rendezvous closed: killed, crashed or stopped early)";
+}
+
 }  // namespace
 
 std::string HostName() {
@@ -326,11 +334,8 @@ std::string RendezvousStore::PollExitedRank() {
     return "";
   }
   for (const PeerLine& p : PeerLines(text))
-    if (p.state == "left")
-      return fmt::format(
-          "rank {} (host {}) exited (its connection to the rendezvous closed: killed, crashed or "
-          "stopped early)",
-          p.rank, p.host);
+    if (p.state == "left" || p.state == kDroppedState)
+      return fmt::format("rank {} (host {}) {}", p.rank, p.host, GoneWords(p.state));
   return "";
 }
 
@@ -449,7 +454,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     for (int r = 0; r < world_size_; ++r) {
       auto it = peers.find(r);
       if (r == rank_) continue;
-      if (it == peers.end() || it->second.second == "left") {
+      if (it == peers.end() || it->second.second == "left" || it->second.second == kDroppedState) {
         settled = true;
         break;
       }
@@ -458,7 +463,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     if (settled || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::vector<std::string> left, silent;
+  std::vector<std::string> left, dropped, silent;
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     auto it = peers.find(r);
@@ -466,6 +471,8 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       left.push_back(fmt::format("rank {}", r));
     } else if (it->second.second == "left") {
       left.push_back(fmt::format("rank {} (host {})", r, it->second.first));
+    } else if (it->second.second == kDroppedState) {
+      dropped.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     } else if (it->second.second == "alive") {
       silent.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     }
@@ -475,9 +482,11 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
     return out;
   };
-  if (!left.empty())
-    return fmt::format("{} exited (its connection to the rendezvous closed: killed, crashed or stopped early)",
-                       join(left));
+  // Each rank that is gone, under what became of it (exited; dropped by the store for its unread answers).
+  std::string gone;
+  if (!left.empty()) gone = join(left) + " " + GoneWords("left");
+  if (!dropped.empty()) gone += (gone.empty() ? "" : "; ") + join(dropped) + " " + GoneWords(kDroppedState);
+  if (!gone.empty()) return gone;
   if (!silent.empty())
     return fmt::format("{} did not report a failure: it hangs (or is cut off from the others)", join(silent));
   return "every rank reports a failure: the network between them failed";

@@ -84,7 +84,9 @@ class RendezvousStore {
   void MarkFinished();
   // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
   // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
-  // had neither finished (MarkFinished) nor reported a failure; "rank 0 (which serves the rendezvous)
+  // had neither finished (MarkFinished) nor reported a failure ("rank N (host H) was disconnected by
+  // the rendezvous store: it stopped reading its answers (stopped or hung)" for one rank 0's store
+  // dropped, its unsent answers past kMaxUnsentReplies); "rank 0 (which serves the rendezvous)
   // exited (...)" when this rank's own connection to it closed; "" when none did, or rank 0 does not
   // answer in time. For a rank busy with its own work (LocalPhaseWatch). Never fails.
   std::string PollExitedRank();
@@ -98,7 +100,8 @@ class RendezvousStore {
   // After a collective failed on this rank: records that, gives the others a few seconds to report
   // theirs, and says what rank 0's store knows: a rank's own failure that it reported
   // (ReportFailure: "rank 1 (host node-b) stopped: <why>", also HeardFailure's from then on), else
-  // "rank 1 (host node-b) exited", "rank 2 (host node-c) did not report a failure: it hangs or is cut
+  // "rank 1 (host node-b) exited", "rank 1 (host node-b) was disconnected by the rendezvous store: it
+  // stopped reading its answers", "rank 2 (host node-c) did not report a failure: it hangs or is cut
   // off", or that rank 0 itself does not answer. Never fails; the text is for the error message.
   std::string DiagnosePeers(const std::string& what_failed);
 

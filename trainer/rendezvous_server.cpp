@@ -196,7 +196,8 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
 }
 
 void RendezvousServer::Drop(int fd, Waiting* waiting) {
-  if (const size_t unsent = sending_[fd].size(); unsent > kMaxUnsentReplies) {
+  const bool unread = sending_[fd].size() > kMaxUnsentReplies;
+  if (const size_t unsent = sending_[fd].size(); unread) {
     const auto it = registered_.find(fd);
     log::Warning(
         "rank 0's rendezvous store dropped {}: it sent requests and read none of their answers ({} bytes "
@@ -213,6 +214,7 @@ void RendezvousServer::Drop(int fd, Waiting* waiting) {
   clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
   if (auto it = registered_.find(fd); it != registered_.end()) {
     left_[it->second.rank] = it->second.host;
+    if (unread) dropped_.insert(it->second.rank);
     registered_.erase(it);
     live_ = static_cast<int>(registered_.size());
   }
@@ -228,6 +230,7 @@ std::string RendezvousServer::Peers() const {
     out += fmt::format("{}\t{}\t{}\n", rank, host,
                        kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
                        : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
+                       : dropped_.count(rank)                              ? kDroppedState
                                                                            : "left");
   return out;
 }

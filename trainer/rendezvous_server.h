@@ -50,6 +50,11 @@ inline constexpr char kJoined = 'k', kOtherJob = 'j', kDuplicate = 'd', kRejoin 
 // A hello's value: "host\tWORLD_SIZE\trun id\tpid" (tabs and newlines of the run id made spaces).
 std::string HelloValue(const std::string& host, int world_size, const std::string& run_id, int64_t pid);
 
+// A peer's state in the peer list: "alive", "failed" (it reported a failed collective), "finished"
+// (MarkFinished), "left" (its connection closed) or kDroppedState (rank 0's store closed it: its
+// unsent answers passed kMaxUnsentReplies).
+inline constexpr const char* kDroppedState = "dropped";
+
 // One "rank\thost\tstate" line of the peer list (RendezvousServer::Peers).
 struct PeerLine {
   int rank = 0;
@@ -141,6 +146,7 @@ class RendezvousServer {
   std::map<std::string, std::string> kv_;
   std::map<int, Client> registered_;  // fd -> the rank it registered as
   std::map<int, std::string> left_;   // rank -> host
+  std::set<int> dropped_;             // ranks of left_ that Drop closed for their unread answers
   std::set<int> ever_ranks_;          // every rank that registered
   std::string abort_;                 // kAbortKey's value, once set
   std::string run_id_, host_;
