@@ -133,12 +133,11 @@ std::string PortHolder(int port, bool* ptk) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int rank, int world_size,
-                                                                          const std::string& master_addr, int port,
-                                                                          std::chrono::milliseconds timeout,
-                                                                          const std::string& run_id,
-                                                                          int torchrun_store_port) {
+absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(
+    int rank, int world_size, const std::string& master_addr, int port, std::chrono::milliseconds timeout,
+    const std::string& run_id, int torchrun_store_port, const std::string& settings) {
   std::unique_ptr<RendezvousStore> s(new RendezvousStore());
+  s->settings_ = settings;
   s->torchrun_store_port_ = torchrun_store_port;
   s->rank_ = rank;
   s->world_size_ = world_size;
@@ -147,7 +146,8 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   s->run_id_ = run_id;
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    if (absl::Status started = s->server_->Start(port, world_size, run_id, torchrun_store_port); !started.ok()) {
+    if (absl::Status started = s->server_->Start(port, world_size, run_id, torchrun_store_port, settings);
+        !started.ok()) {
       if (s->server_->bind_errno() != EADDRINUSE) return started;
       bool ptk = false;
       const std::string holder = PortHolder(port, &ptk);
@@ -198,7 +198,7 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
   const std::string not_ptk =
       fmt::format("another program or job holds {}; give this job a MASTER_PORT of its own (or stop what holds it)",
                   RendezvousPortWords(port, torchrun_store_port_));
-  const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid());
+  const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid(), settings_);
   char ack = 0;
   const absl::Status hello = Request(kHello, std::to_string(rank_), &value, nullptr, &ack);
   if (absl::IsDeadlineExceeded(hello))
@@ -224,7 +224,7 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
     *last = fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank_);
     return absl::UnavailableError(*last);
   }
-  if (ack != kOtherJob && ack != kDuplicate)
+  if (ack != kOtherJob && ack != kDuplicate && ack != kOtherSettings)
     return absl::FailedPreconditionError(fmt::format(
         "rendezvous: what listens at {} is not a ptk rank 0 (it answered ptk's hello with byte 0x{:02x}); {}", where,
         static_cast<unsigned>(static_cast<unsigned char>(ack)), not_ptk));
@@ -244,6 +244,17 @@ absl::Status RendezvousStore::RefusedByRankZero(const std::string& where, int po
         fmt::format("rendezvous: the rank 0 at {} is another job's ({}), not this rank's ({}): two jobs use {}; give "
                     "each job a MASTER_PORT of its own",
                     where, theirs, mine, RendezvousPortWords(port, torchrun_store_port_)));
+  if (ack == kOtherSettings) {
+    std::string theirs_settings;
+    const bool told = Request(kSettingsQuery, "", nullptr, &theirs_settings).ok();
+    const std::string differs = told ? SettingsDifference(theirs_settings, settings_, rank_) : "";
+    return absl::FailedPreconditionError(fmt::format(
+        "rendezvous: the rank 0 at {} ({}) runs other settings than this rank {}: {}: another job started by "
+        "hand ({}) uses {}, or this rank was started with other flags than rank 0; every rank of a job needs the "
+        "same flags, each job a MASTER_PORT of its own (and a run id: PTK_RUN_ID)",
+        where, theirs, rank_, differs.empty() ? "rank 0 did not say which" : differs, mine,
+        RendezvousPortWords(port, torchrun_store_port_)));
+  }
   const std::string holder =
       known && info.rank_pid > 0 ? fmt::format(" (host {}, pid {})", info.rank_host, info.rank_pid) : "";
   return absl::FailedPreconditionError(fmt::format(
