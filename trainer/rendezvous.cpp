@@ -309,14 +309,18 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
   const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
   std::string what = is_rank ? "rank " + key : "key '" + key + "'";
   // Every rank that never came, not only the first one waited for.
-  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined() : std::vector<int>{};
+  std::vector<std::string> refused;  // hellos rank 0 refused for their settings: perhaps this job's ranks
+  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined(&refused) : std::vector<int>{};
   if (!missing.empty()) {
     what = missing.size() == 1 ? "rank" : "ranks";
     for (size_t i = 0; i < missing.size(); ++i) what += fmt::format("{} {}", i ? "," : "", missing[i]);
+    std::string why;
+    for (const std::string& r : refused) why += (why.empty() ? " Refused meanwhile: " : "; ") + r;
     return absl::DeadlineExceededError(fmt::format(
         "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the same "
-        "MASTER_ADDR and MASTER_PORT; {} running?",
-        what, timeout_.count() / 1000.0, world_size_, missing.size() == 1 ? "is that rank" : "are they"));
+        "MASTER_ADDR and MASTER_PORT{}; {} running?{}",
+        what, timeout_.count() / 1000.0, world_size_, refused.empty() ? "" : " and the same flags",
+        missing.size() == 1 ? "is that rank" : "are they", why));
   }
   if (absl::IsDeadlineExceeded(st))
     return absl::DeadlineExceededError(fmt::format(
@@ -350,9 +354,10 @@ std::string RendezvousStore::PollExitedRank() {
   return "";
 }
 
-std::vector<int> RendezvousStore::NeverJoined() {
+std::vector<int> RendezvousStore::NeverJoined(std::vector<std::string>* refused) {
   std::string text;
   if (!Request(kPeers, "", nullptr, &text).ok()) return {};
+  *refused = RefusedLines(text);
   std::set<int> came;
   for (const PeerLine& p : PeerLines(text)) came.insert(p.rank);
   std::vector<int> missing;

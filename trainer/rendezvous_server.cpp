@@ -119,12 +119,22 @@ std::vector<PeerLine> PeerLines(const std::string& text) {
   for (size_t pos = 0; pos < text.size();) {
     const size_t nl = std::min(text.find('\n', pos), text.size()), t1 = text.find('\t', pos);
     const size_t t2 = t1 < nl ? text.find('\t', t1 + 1) : std::string::npos;
-    if (text.compare(pos, 2, "!\t") != 0 && t2 < nl)
+    if (text.compare(pos, 2, "!\t") != 0 && text.compare(pos, 2, "?\t") != 0 && t2 < nl)
       lines.push_back({std::atoi(text.substr(pos, t1 - pos).c_str()), text.substr(t1 + 1, t2 - t1 - 1),
                        text.substr(t2 + 1, nl - t2 - 1)});
     pos = nl + 1;
   }
   return lines;
+}
+
+std::vector<std::string> RefusedLines(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    if (text.compare(pos, 2, "?\t") == 0) out.push_back(text.substr(pos + 2, nl - pos - 2));
+    pos = nl + 1;
+  }
+  return out;
 }
 
 bool ParseServerInfo(const std::string& text, ServerInfo* info) {
@@ -272,6 +282,7 @@ std::string RendezvousServer::Peers() const {
                        : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
                        : dropped_.count(rank)                              ? kDroppedState
                                                                            : "left");
+  for (const auto& [rank, words] : refused_) out += "?\t" + words + "\n";
   return out;
 }
 
@@ -311,10 +322,13 @@ char RendezvousServer::Hello(int fd, const std::string& rank, const std::string&
 }
 
 char RendezvousServer::RefuseSettings(int rank, const std::vector<std::string>& hello, const std::string& settings) {
+  const std::string differs = SettingsDifference(settings_, settings, rank);
   log::Warning(
       "rank 0's rendezvous refused a rank {} (host {}, pid {}): {}: another job started by hand on this MASTER_PORT, "
       "or a rank of this job started with other flags; still waiting for this job's rank {}",
-      rank, log::Printable(hello[0]), log::Printable(hello[3]), SettingsDifference(settings_, settings, rank), rank);
+      rank, log::Printable(hello[0]), log::Printable(hello[3]), differs, rank);
+  refused_[rank] = OneField(fmt::format("a rank {} (host {}, pid {}) with other settings: {}", rank,
+                                        log::Printable(hello[0]), log::Printable(hello[3]), differs));
   return kOtherSettings;
 }
 

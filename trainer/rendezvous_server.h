@@ -71,8 +71,11 @@ struct PeerLine {
   int rank = 0;
   std::string host, state;
 };
-// The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, left out).
+// The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, and its "?\t" lines left out).
 std::vector<PeerLine> PeerLines(const std::string& text);
+// The peer list's "?\t" lines' text: each hello refused for its settings (RendezvousServer::RefuseSettings),
+// "a rank 1 (host H, pid P) with other settings: --num-layers differs: ...".
+std::vector<std::string> RefusedLines(const std::string& text);
 
 // What Info answers, parsed: who serves a store, and, when asked about a rank, who holds that rank.
 struct ServerInfo {
@@ -131,7 +134,8 @@ class RendezvousServer {
   using Waiting = std::map<int, std::vector<std::string>>;  // fd -> keys it waits for
   // Closes client `fd`, a warning naming it when its unsent replies were past kMaxUnsentReplies.
   void Drop(int fd, Waiting* waiting);
-  // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it.
+  // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it,
+  // then a "?\t" line for each rank number whose hello was refused for its settings (the last one).
   std::string Peers() const;
   // kInfo's answer: "ptk-rendezvous\tWORLD_SIZE\tpid\thost\trun id", then, when `rank` is a connected
   // rank's number, "\n" and its "host\tpid".
@@ -166,7 +170,8 @@ class RendezvousServer {
   std::set<int> ever_ranks_;          // every rank that registered
   std::string abort_;                 // kAbortKey's value, once set
   std::string run_id_, host_;
-  std::string settings_;  // Start's: what a rank's hello must carry when neither has a run id
+  std::string settings_;                // Start's: what a rank's hello must carry when neither has a run id
+  std::map<int, std::string> refused_;  // rank -> its last hello refused for its settings, in words
   std::atomic<bool> stop_{false};
   std::atomic<int> live_{0}, ever_{0};
   int port_ = 0, world_size_ = 0, bind_errno_ = 0;

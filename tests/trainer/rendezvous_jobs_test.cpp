@@ -152,6 +152,23 @@ TEST(RendezvousJobs, WithoutRunIdsARankOfOtherSettingsNeverJoins) {
   EXPECT_NE(c1, nullptr);
 }
 
+// A rank of this job started with other flags (no run id): refused as another job's would be, so
+// rank 0 waits for its rank 1 until the timeout; its error then says what it refused meanwhile, with
+// the setting that differs (it said only "rank 1 did not join ...; is that rank running?").
+TEST(RendezvousJobs, ATimeoutNamesTheRanksRefusedForTheirSettings) {
+  const int port = testing::FreeTestPort();
+  auto a0 = RendezvousStore::Connect(0, 2, "127.0.0.1", port, 1000ms, "", 0, "--seed\t1234\n");
+  ASSERT_TRUE(a0.ok()) << a0.status();
+  EXPECT_NE(Refused(1, 2, port, "", 60s, "--seed\t5\n").find("--seed differs: rank 0 has 1234, rank 1 has 5"),
+            std::string::npos);
+  auto got = (*a0)->Get("1");
+  ASSERT_TRUE(absl::IsDeadlineExceeded(got.status())) << got.status();
+  EXPECT_EQ(got.status().message(),
+            "rank 1 did not join within 1 s (--distributed-timeout-minutes): start all 2 ranks (WORLD_SIZE) with the "
+            "same MASTER_ADDR and MASTER_PORT and the same flags; is that rank running? Refused meanwhile: a rank 1 (" +
+                Who() + ") with other settings: --seed differs: rank 0 has 1234, rank 1 has 5");
+}
+
 // A listener on the port that is not ptk's: silent, answering something else, or closing each
 // connection. Its thread accepts until the object ends.
 class ForeignListener {

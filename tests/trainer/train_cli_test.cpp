@@ -921,6 +921,7 @@ TEST_F(TrainCli, RanksWithDifferentFlagsFailInOneLine) {
       << hand.output;
   EXPECT_NE(h0.find("rank 0's rendezvous refused a rank 1 (host "), std::string::npos) << h0;
   EXPECT_NE(h0.find("rank 1 did not join within"), std::string::npos) << h0;
+  EXPECT_NE(h0.find("Refused meanwhile: a rank 1 (host "), std::string::npos) << h0;
   auto bad = RunCmd("RANK=2 WORLD_SIZE=2 " + base);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("RANK=2 is outside [0, 1] (WORLD_SIZE=2)"), std::string::npos) << bad.output;
