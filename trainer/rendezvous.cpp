@@ -357,12 +357,15 @@ std::string RendezvousStore::PollExitedRank() {
 std::vector<int> RendezvousStore::NeverJoined(std::vector<std::string>* refused) {
   std::string text;
   if (!Request(kPeers, "", nullptr, &text).ok()) return {};
-  *refused = RefusedLines(text);
+  const std::map<int, std::string> refusals = RefusedLines(text);
   std::set<int> came;
   for (const PeerLine& p : PeerLines(text)) came.insert(p.rank);
   std::vector<int> missing;
   for (int r = 0; r < world_size_; ++r)
-    if (!came.count(r)) missing.push_back(r);
+    if (!came.count(r)) {
+      missing.push_back(r);
+      if (refusals.count(r)) refused->push_back(refusals.at(r));
+    }
   return missing.size() < static_cast<size_t>(world_size_) ? missing : std::vector<int>{};  // none came: no answer
 }
 

@@ -129,7 +129,8 @@ class RendezvousStore {
   absl::Status RefusedByRankZero(const std::string& where, int port, char ack);
 
   // The ranks that never registered with rank 0's store (its peer list), ascending; empty when it
-  // does not answer. *refused: the hellos it refused for their settings, in words (RefusedLines).
+  // does not answer. *refused: the hellos of those ranks it refused for their settings, in words
+  // (RefusedLines).
   std::vector<int> NeverJoined(std::vector<std::string>* refused);
 
   std::unique_ptr<RendezvousServer> server_;  // rank 0

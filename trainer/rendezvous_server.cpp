@@ -127,11 +127,12 @@ std::vector<PeerLine> PeerLines(const std::string& text) {
   return lines;
 }
 
-std::vector<std::string> RefusedLines(const std::string& text) {
-  std::vector<std::string> out;
+std::map<int, std::string> RefusedLines(const std::string& text) {
+  std::map<int, std::string> out;
   for (size_t pos = 0; pos < text.size();) {
-    const size_t nl = std::min(text.find('\n', pos), text.size());
-    if (text.compare(pos, 2, "?\t") == 0) out.push_back(text.substr(pos + 2, nl - pos - 2));
+    const size_t nl = std::min(text.find('\n', pos), text.size()), tab = text.find('\t', pos + 2);
+    if (text.compare(pos, 2, "?\t") == 0 && tab < nl)
+      out[std::atoi(text.substr(pos + 2, tab - pos - 2).c_str())] = text.substr(tab + 1, nl - tab - 1);
     pos = nl + 1;
   }
   return out;
@@ -246,8 +247,9 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
 }
 
 void RendezvousServer::Drop(int fd, Waiting* waiting) {
-  const bool unread = sending_[fd].size() > kMaxUnsentReplies;
-  if (const size_t unsent = sending_[fd].size(); unread) {
+  const size_t unsent = sending_[fd].size();
+  const bool unread = unsent > kMaxUnsentReplies;
+  if (unread) {
     const auto it = registered_.find(fd);
     log::Warning(
         "rank 0's rendezvous store dropped {}: it sent requests and read none of their answers ({} bytes "
@@ -282,7 +284,7 @@ std::string RendezvousServer::Peers() const {
                        : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
                        : dropped_.count(rank)                              ? kDroppedState
                                                                            : "left");
-  for (const auto& [rank, words] : refused_) out += "?\t" + words + "\n";
+  for (const auto& [rank, words] : refused_) out += fmt::format("?\t{}\t{}\n", rank, words);
   return out;
 }
 

@@ -73,9 +73,9 @@ struct PeerLine {
 };
 // The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, and its "?\t" lines left out).
 std::vector<PeerLine> PeerLines(const std::string& text);
-// The peer list's "?\t" lines' text: each hello refused for its settings (RendezvousServer::RefuseSettings),
-// "a rank 1 (host H, pid P) with other settings: --num-layers differs: ...".
-std::vector<std::string> RefusedLines(const std::string& text);
+// The peer list's "?\trank\twords" lines: for each rank number, the last hello refused for its settings
+// (RendezvousServer::RefuseSettings), "a rank 1 (host H, pid P) with other settings: --num-layers differs: ...".
+std::map<int, std::string> RefusedLines(const std::string& text);
 
 // What Info answers, parsed: who serves a store, and, when asked about a rank, who holds that rank.
 struct ServerInfo {
@@ -135,7 +135,7 @@ class RendezvousServer {
   // Closes client `fd`, a warning naming it when its unsent replies were past kMaxUnsentReplies.
   void Drop(int fd, Waiting* waiting);
   // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it,
-  // then a "?\t" line for each rank number whose hello was refused for its settings (the last one).
+  // then a "?\trank\twords" line for each rank number whose hello was refused for its settings (the last one).
   std::string Peers() const;
   // kInfo's answer: "ptk-rendezvous\tWORLD_SIZE\tpid\thost\trun id", then, when `rank` is a connected
   // rank's number, "\n" and its "host\tpid".

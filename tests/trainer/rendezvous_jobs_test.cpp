@@ -153,20 +153,24 @@ TEST(RendezvousJobs, WithoutRunIdsARankOfOtherSettingsNeverJoins) {
 }
 
 // A rank of this job started with other flags (no run id): refused as another job's would be, so
-// rank 0 waits for its rank 1 until the timeout; its error then says what it refused meanwhile, with
-// the setting that differs (it said only "rank 1 did not join ...; is that rank running?").
+// rank 0 waits for its rank 2 until the timeout; its error then says what it refused meanwhile of the
+// ranks that never came, with the setting that differs (it said only "rank 2 did not join ...; is that
+// rank running?"); a refused rank 1 that then came with the job's settings is not named.
 TEST(RendezvousJobs, ATimeoutNamesTheRanksRefusedForTheirSettings) {
   const int port = testing::FreeTestPort();
-  auto a0 = RendezvousStore::Connect(0, 2, "127.0.0.1", port, 1000ms, "", 0, "--seed\t1234\n");
+  auto a0 = RendezvousStore::Connect(0, 3, "127.0.0.1", port, 1000ms, "", 0, "--seed\t1234\n");
   ASSERT_TRUE(a0.ok()) << a0.status();
-  EXPECT_NE(Refused(1, 2, port, "", 60s, "--seed\t5\n").find("--seed differs: rank 0 has 1234, rank 1 has 5"),
-            std::string::npos);
-  auto got = (*a0)->Get("1");
+  for (int rank : {1, 2})
+    EXPECT_NE(Refused(rank, 3, port, "", 60s, "--seed\t5\n").find("--seed differs: rank 0 has 1234"),
+              std::string::npos);
+  auto a1 = Join(1, 3, port, "", "--seed\t1234\n");
+  ASSERT_NE(a1, nullptr);
+  auto got = (*a0)->Get("2");
   ASSERT_TRUE(absl::IsDeadlineExceeded(got.status())) << got.status();
   EXPECT_EQ(got.status().message(),
-            "rank 1 did not join within 1 s (--distributed-timeout-minutes): start all 2 ranks (WORLD_SIZE) with the "
-            "same MASTER_ADDR and MASTER_PORT and the same flags; is that rank running? Refused meanwhile: a rank 1 (" +
-                Who() + ") with other settings: --seed differs: rank 0 has 1234, rank 1 has 5");
+            "rank 2 did not join within 1 s (--distributed-timeout-minutes): start all 3 ranks (WORLD_SIZE) with the "
+            "same MASTER_ADDR and MASTER_PORT and the same flags; is that rank running? Refused meanwhile: a rank 2 (" +
+                Who() + ") with other settings: --seed differs: rank 0 has 1234, rank 2 has 5");
 }
 
 // A listener on the port that is not ptk's: silent, answering something else, or closing each
