@@ -396,8 +396,10 @@ int main(int argc, char** argv) {
     // step) is told to the others before its connections close, so that every rank ends now naming
     // it (ptk::ReportRankFailure), not only this one while the others wait or guess.
     Groups groups;
-    absl::Status st = MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options,
-                                 ptk::RunSettings(options, plan.global_batch_size), ranks.rank, &groups);
+    const ptk::Settings settings = ptk::RunSettings(options, plan.global_batch_size);
+    ptk::DistributedOptions distributed = DistributedOptionsOf(options, flags, ranks, timeout);
+    distributed.settings = ptk::AgreedSettingsText(settings);  // without a run id, what tells jobs apart
+    absl::Status st = MakeGroups(distributed, *layout, options, settings, ranks.rank, &groups);
     if (st.ok())
       st = TrainRanks(flags, ranks, *layout, plan, notes, started, ArgsJson(argc, argv), groups, &options, &incomplete);
     // A rank that ends well says so first: its leaving is no death to a rank still starting (LocalPhaseWatch).

@@ -347,7 +347,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     return absl::InvalidArgumentError(fmt::format("rank {} of {}: not a valid rank", o.rank, o.world_size));
   auto comm = std::make_unique<GlooCommunicator>();
   PTK_ASSIGN_OR_RETURN(comm->store_, RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port,
-                                                              o.timeout, o.run_id, o.torchrun_store_port));
+                                                              o.timeout, o.run_id, o.torchrun_store_port, o.settings));
   comm->gloo_store_ = std::make_shared<GlooStore>(comm->store_.get());
   try {
     gloo::transport::tcp::attr attr;

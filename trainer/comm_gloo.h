@@ -27,6 +27,9 @@ struct GlooOptions {
   // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
   // rank of another (RendezvousStore::Connect).
   std::string run_id;
+  // What every rank must share, "flag\tvalue" lines (AgreedSettingsText): without run ids, rank 0's
+  // store refuses a rank whose settings differ (RendezvousStore::Connect). Empty: not compared.
+  std::string settings;
   std::string iface;  // network interface for the gloo transport (GLOO_SOCKET_IFNAME); empty: by hostname
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and each collective
 };

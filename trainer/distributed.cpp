@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
     n.master_port = o.world_size == 1 ? 0 : o.master_port;
     n.torchrun_store_port = o.torchrun_store_port;
     n.run_id = o.run_id;
+    n.settings = o.settings;
     n.timeout = o.timeout;
     n.on_stuck = o.on_stuck;
     return (*cuda)->CreateNcclCommunicator(n);
@@ -50,6 +51,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
   g.master_port = o.master_port;
   g.torchrun_store_port = o.torchrun_store_port;
   g.run_id = o.run_id;
+  g.settings = o.settings;
   g.iface = o.gloo_iface;
   g.timeout = o.timeout;
   return MakeGlooCommunicator(g);

@@ -25,6 +25,9 @@ struct DistributedOptions {
   // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
   // rank of another (RendezvousStore::Connect).
   std::string run_id;
+  // What every rank must share, "flag\tvalue" lines (AgreedSettingsText): without run ids, rank 0's
+  // store refuses a rank whose settings differ (RendezvousStore::Connect). Empty: not compared.
+  std::string settings;
   std::string gloo_iface;  // GLOO_SOCKET_IFNAME
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   // NCCL: called from its watchdog when an aborted collective does not let the process end

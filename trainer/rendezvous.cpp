@@ -45,6 +45,14 @@ std::string AbortValue(const absl::Status& failure, const std::string& who) {
   return (IsUsageError(failure) ? "u\t" : "f\t") + text;
 }
 
+// What became of a rank whose connection to rank 0's store ended (its peer-list state: "left" or
+// kDroppedState), after "rank N (host H) ".
+std::string GoneWords(const std::string& state) {
+  if (state == kDroppedState)
+    return "was disconnected by the rendezvous store: it stopped reading its answers (stopped or hung)";
+  return "exited (its connection to the rendezvous closed: killed, crashed or stopped early)";
+}
+
 }  // namespace
 
 std::string HostName() {
@@ -125,12 +133,11 @@ std::string PortHolder(int port, bool* ptk) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int rank, int world_size,
-                                                                          const std::string& master_addr, int port,
-                                                                          std::chrono::milliseconds timeout,
-                                                                          const std::string& run_id,
-                                                                          int torchrun_store_port) {
+absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(
+    int rank, int world_size, const std::string& master_addr, int port, std::chrono::milliseconds timeout,
+    const std::string& run_id, int torchrun_store_port, const std::string& settings) {
   std::unique_ptr<RendezvousStore> s(new RendezvousStore());
+  s->settings_ = settings;
   s->torchrun_store_port_ = torchrun_store_port;
   s->rank_ = rank;
   s->world_size_ = world_size;
@@ -139,7 +146,8 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   s->run_id_ = run_id;
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    if (absl::Status started = s->server_->Start(port, world_size, run_id, torchrun_store_port); !started.ok()) {
+    if (absl::Status started = s->server_->Start(port, world_size, run_id, torchrun_store_port, settings);
+        !started.ok()) {
       if (s->server_->bind_errno() != EADDRINUSE) return started;
       bool ptk = false;
       const std::string holder = PortHolder(port, &ptk);
@@ -190,7 +198,7 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
   const std::string not_ptk =
       fmt::format("another program or job holds {}; give this job a MASTER_PORT of its own (or stop what holds it)",
                   RendezvousPortWords(port, torchrun_store_port_));
-  const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid());
+  const std::string value = HelloValue(host_, world_size_, run_id_, ::getpid(), settings_);
   char ack = 0;
   const absl::Status hello = Request(kHello, std::to_string(rank_), &value, nullptr, &ack);
   if (absl::IsDeadlineExceeded(hello))
@@ -216,7 +224,7 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
     *last = fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank_);
     return absl::UnavailableError(*last);
   }
-  if (ack != kOtherJob && ack != kDuplicate)
+  if (ack != kOtherJob && ack != kDuplicate && ack != kOtherSettings)
     return absl::FailedPreconditionError(fmt::format(
         "rendezvous: what listens at {} is not a ptk rank 0 (it answered ptk's hello with byte 0x{:02x}); {}", where,
         static_cast<unsigned>(static_cast<unsigned char>(ack)), not_ptk));
@@ -236,6 +244,17 @@ absl::Status RendezvousStore::RefusedByRankZero(const std::string& where, int po
         fmt::format("rendezvous: the rank 0 at {} is another job's ({}), not this rank's ({}): two jobs use {}; give "
                     "each job a MASTER_PORT of its own",
                     where, theirs, mine, RendezvousPortWords(port, torchrun_store_port_)));
+  if (ack == kOtherSettings) {
+    std::string theirs_settings;
+    const bool told = Request(kSettingsQuery, "", nullptr, &theirs_settings).ok();
+    const std::string differs = told ? SettingsDifference(theirs_settings, settings_, rank_) : "";
+    return absl::FailedPreconditionError(fmt::format(
+        "rendezvous: the rank 0 at {} ({}) runs other settings than this rank {}: {}: another job started by "
+        "hand ({}) uses {}, or this rank was started with other flags than rank 0; every rank of a job needs the "
+        "same flags, each job a MASTER_PORT of its own (and a run id: PTK_RUN_ID)",
+        where, theirs, rank_, differs.empty() ? "rank 0 did not say which" : differs, mine,
+        RendezvousPortWords(port, torchrun_store_port_)));
+  }
   const std::string holder =
       known && info.rank_pid > 0 ? fmt::format(" (host {}, pid {})", info.rank_host, info.rank_pid) : "";
   return absl::FailedPreconditionError(fmt::format(
@@ -290,14 +309,18 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
   const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
   std::string what = is_rank ? "rank " + key : "key '" + key + "'";
   // Every rank that never came, not only the first one waited for.
-  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined() : std::vector<int>{};
+  std::vector<std::string> refused;  // hellos rank 0 refused for their settings: perhaps this job's ranks
+  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined(&refused) : std::vector<int>{};
   if (!missing.empty()) {
     what = missing.size() == 1 ? "rank" : "ranks";
     for (size_t i = 0; i < missing.size(); ++i) what += fmt::format("{} {}", i ? "," : "", missing[i]);
+    std::string why;
+    for (const std::string& r : refused) why += (why.empty() ? " Refused meanwhile: " : "; ") + r;
     return absl::DeadlineExceededError(fmt::format(
         "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the same "
-        "MASTER_ADDR and MASTER_PORT; {} running?",
-        what, timeout_.count() / 1000.0, world_size_, missing.size() == 1 ? "is that rank" : "are they"));
+        "MASTER_ADDR and MASTER_PORT{}; {} running?{}",
+        what, timeout_.count() / 1000.0, world_size_, refused.empty() ? "" : " and the same flags",
+        missing.size() == 1 ? "is that rank" : "are they", why));
   }
   if (absl::IsDeadlineExceeded(st))
     return absl::DeadlineExceededError(fmt::format(
@@ -326,22 +349,23 @@ std::string RendezvousStore::PollExitedRank() {
     return "";
   }
   for (const PeerLine& p : PeerLines(text))
-    if (p.state == "left")
-      return fmt::format(
-          "rank {} (host {}) exited (its connection to the rendezvous closed: killed, crashed or "
-          "stopped early)",
-          p.rank, p.host);
+    if (p.state == "left" || p.state == kDroppedState)
+      return fmt::format("rank {} (host {}) {}", p.rank, p.host, GoneWords(p.state));
   return "";
 }
 
-std::vector<int> RendezvousStore::NeverJoined() {
+std::vector<int> RendezvousStore::NeverJoined(std::vector<std::string>* refused) {
   std::string text;
   if (!Request(kPeers, "", nullptr, &text).ok()) return {};
+  const std::map<int, std::string> refusals = RefusedLines(text);
   std::set<int> came;
   for (const PeerLine& p : PeerLines(text)) came.insert(p.rank);
   std::vector<int> missing;
   for (int r = 0; r < world_size_; ++r)
-    if (!came.count(r)) missing.push_back(r);
+    if (!came.count(r)) {
+      missing.push_back(r);
+      if (refusals.count(r)) refused->push_back(refusals.at(r));
+    }
   return missing.size() < static_cast<size_t>(world_size_) ? missing : std::vector<int>{};  // none came: no answer
 }
 
@@ -449,7 +473,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     for (int r = 0; r < world_size_; ++r) {
       auto it = peers.find(r);
       if (r == rank_) continue;
-      if (it == peers.end() || it->second.second == "left") {
+      if (it == peers.end() || it->second.second == "left" || it->second.second == kDroppedState) {
         settled = true;
         break;
       }
@@ -458,7 +482,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     if (settled || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::vector<std::string> left, silent;
+  std::vector<std::string> left, dropped, silent;
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     auto it = peers.find(r);
@@ -466,6 +490,8 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       left.push_back(fmt::format("rank {}", r));
     } else if (it->second.second == "left") {
       left.push_back(fmt::format("rank {} (host {})", r, it->second.first));
+    } else if (it->second.second == kDroppedState) {
+      dropped.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     } else if (it->second.second == "alive") {
       silent.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     }
@@ -475,9 +501,11 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
     return out;
   };
-  if (!left.empty())
-    return fmt::format("{} exited (its connection to the rendezvous closed: killed, crashed or stopped early)",
-                       join(left));
+  // Each rank that is gone, under what became of it (exited; dropped by the store for its unread answers).
+  std::string gone;
+  if (!left.empty()) gone = join(left) + " " + GoneWords("left");
+  if (!dropped.empty()) gone += (gone.empty() ? "" : "; ") + join(dropped) + " " + GoneWords(kDroppedState);
+  if (!gone.empty()) return gone;
   if (!silent.empty())
     return fmt::format("{} did not report a failure: it hangs (or is cut off from the others)", join(silent));
   return "every rank reports a failure: the network between them failed";

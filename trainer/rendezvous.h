@@ -4,8 +4,9 @@
 // job reuses its job id, so a file-based rendezvous could find stale addresses). The store also
 // tells a rank whose collective failed what became of the others: a rank whose connection closed
 // has exited (killed, crashed); a rank that neither exited nor reported its own failure hangs. No
-// rank of another job (another WORLD_SIZE or run id on the same MASTER_ADDR:MASTER_PORT) ever joins:
-// it is refused at once, naming both jobs (rendezvous_server.h has rank 0's side).
+// rank of another job (another WORLD_SIZE or run id on the same MASTER_ADDR:MASTER_PORT; without run
+// ids, other settings) ever joins: it is refused at once, naming both jobs (rendezvous_server.h has
+// rank 0's side).
 #pragma once
 
 #include <atomic>
@@ -41,11 +42,15 @@ class RendezvousStore {
   // it too (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a
   // fresh rank 0 serves, or the timeout. Every message names the port as RendezvousPortWords does
   // (`torchrun_store_port`: TrainingRanks's, MASTER_PORT under torchrun, `port` being beside it; 0 otherwise).
-  static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(int rank, int world_size,
-                                                                  const std::string& master_addr, int port,
-                                                                  std::chrono::milliseconds timeout,
-                                                                  const std::string& run_id = "",
-                                                                  int torchrun_store_port = 0);
+  // `settings`: what every rank of the job must share, one "flag\tvalue" line each (ptk-train's
+  // AgreedSettingsText); empty: none compared. Where neither this rank nor rank 0 has a run id (ranks
+  // started by hand), a rank whose settings are not rank 0's is refused at once too (another job
+  // started alike at the same moment, or a rank of this one started with other flags), its line
+  // naming the first setting that differs with both values, and rank 0 warns and waits on for its own
+  // rank; with a run id the ranks are one launch, and meet (ptk-train's CheckRanksAgree stops them all).
+  static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(
+      int rank, int world_size, const std::string& master_addr, int port, std::chrono::milliseconds timeout,
+      const std::string& run_id = "", int torchrun_store_port = 0, const std::string& settings = "");
 
   // For a rank about to exit with `failure` found before the ranks met (its own flag checks): tells
   // the others through rank 0's store, so that every rank's rendezvous (each get, waiting or to
@@ -84,7 +89,9 @@ class RendezvousStore {
   void MarkFinished();
   // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
   // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
-  // had neither finished (MarkFinished) nor reported a failure; "rank 0 (which serves the rendezvous)
+  // had neither finished (MarkFinished) nor reported a failure ("rank N (host H) was disconnected by
+  // the rendezvous store: it stopped reading its answers (stopped or hung)" for one rank 0's store
+  // dropped, its unsent answers past kMaxUnsentReplies); "rank 0 (which serves the rendezvous)
   // exited (...)" when this rank's own connection to it closed; "" when none did, or rank 0 does not
   // answer in time. For a rank busy with its own work (LocalPhaseWatch). Never fails.
   std::string PollExitedRank();
@@ -98,7 +105,8 @@ class RendezvousStore {
   // After a collective failed on this rank: records that, gives the others a few seconds to report
   // theirs, and says what rank 0's store knows: a rank's own failure that it reported
   // (ReportFailure: "rank 1 (host node-b) stopped: <why>", also HeardFailure's from then on), else
-  // "rank 1 (host node-b) exited", "rank 2 (host node-c) did not report a failure: it hangs or is cut
+  // "rank 1 (host node-b) exited", "rank 1 (host node-b) was disconnected by the rendezvous store: it
+  // stopped reading its answers", "rank 2 (host node-c) did not report a failure: it hangs or is cut
   // off", or that rank 0 itself does not answer. Never fails; the text is for the error message.
   std::string DiagnosePeers(const std::string& what_failed);
 
@@ -116,18 +124,20 @@ class RendezvousStore {
   // Connect's hello on fd_: OK once joined; kFailedPrecondition to stop (RefusedByRankZero's, or not
   // ptk); else kUnavailable to retry (*last: why; *closed counts connections closed unanswered).
   absl::Status Hello(const std::string& addr, int port, std::string* last, int* closed);
-  // The line for a hello refused with `ack` (another job's rank, or a rank connected already): who
-  // serves `where` (its Info) and this rank's job.
+  // The line for a hello refused with `ack` (another job's rank, a rank connected already, other
+  // settings): who serves `where` (its Info) and this rank's job.
   absl::Status RefusedByRankZero(const std::string& where, int port, char ack);
 
   // The ranks that never registered with rank 0's store (its peer list), ascending; empty when it
-  // does not answer.
-  std::vector<int> NeverJoined();
+  // does not answer. *refused: the hellos of those ranks it refused for their settings, in words
+  // (RefusedLines).
+  std::vector<int> NeverJoined(std::vector<std::string>* refused);
 
   std::unique_ptr<RendezvousServer> server_;  // rank 0
   int fd_ = -1;
   int rank_ = 0, world_size_ = 1;
   std::string host_, run_id_;
+  std::string settings_;         // Connect's: sent in the hello
   int torchrun_store_port_ = 0;  // Connect's: how messages name the port (RendezvousPortWords)
   std::chrono::milliseconds timeout_{0};
   std::mutex mu_;                       // one request at a time on the connection (held through the round trip)

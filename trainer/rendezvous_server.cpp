@@ -72,8 +72,46 @@ std::vector<std::string> Fields(const std::string& line) {
 }
 }  // namespace
 
-std::string HelloValue(const std::string& host, int world_size, const std::string& run_id, int64_t pid) {
-  return fmt::format("{}\t{}\t{}\t{}", OneField(host), world_size, OneField(run_id), pid);
+std::string HelloValue(const std::string& host, int world_size, const std::string& run_id, int64_t pid,
+                       const std::string& settings) {
+  return fmt::format("{}\t{}\t{}\t{}{}", OneField(host), world_size, OneField(run_id), pid,
+                     settings.empty() ? "" : "\n" + settings);
+}
+
+namespace {
+// "flag\tvalue" lines: their flags in order, and each flag's value.
+std::vector<std::pair<std::string, std::string>> SettingLines(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size()), tab = text.find('\t', pos);
+    if (tab < nl) out.emplace_back(text.substr(pos, tab - pos), text.substr(tab + 1, nl - tab - 1));
+    pos = nl + 1;
+  }
+  return out;
+}
+std::string Has(const std::string& value) { return value.empty() ? "none" : value; }
+}  // namespace
+
+std::string SettingsDifference(const std::string& rank0, const std::string& other, int rank) {
+  const auto mine = SettingLines(rank0), theirs = SettingLines(other);
+  const std::map<std::string, std::string> by_flag(theirs.begin(), theirs.end());
+  std::set<std::string> flags;  // rank 0's
+  std::string first;
+  int differing = 0;
+  for (const auto& [flag, value] : mine) {
+    flags.insert(flag);
+    const auto it = by_flag.find(flag);
+    if (it != by_flag.end() && it->second == value) continue;
+    if (differing++ == 0)
+      first = fmt::format("{} differs: rank 0 has {}, rank {} has {}", flag, Has(value), rank,
+                          it == by_flag.end() ? "no such setting (another ptk version?)" : Has(it->second));
+  }
+  for (const auto& [flag, value] : theirs)
+    if (!flags.count(flag) && differing++ == 0)
+      first = fmt::format("{} differs: rank 0 has no such setting (another ptk version?), rank {} has {}", flag, rank,
+                          Has(value));
+  if (differing > 1) first += fmt::format(" (and {} other setting{})", differing - 1, differing > 2 ? "s" : "");
+  return first;
 }
 
 std::vector<PeerLine> PeerLines(const std::string& text) {
@@ -81,12 +119,23 @@ std::vector<PeerLine> PeerLines(const std::string& text) {
   for (size_t pos = 0; pos < text.size();) {
     const size_t nl = std::min(text.find('\n', pos), text.size()), t1 = text.find('\t', pos);
     const size_t t2 = t1 < nl ? text.find('\t', t1 + 1) : std::string::npos;
-    if (text.compare(pos, 2, "!\t") != 0 && t2 < nl)
+    if (text.compare(pos, 2, "!\t") != 0 && text.compare(pos, 2, "?\t") != 0 && t2 < nl)
       lines.push_back({std::atoi(text.substr(pos, t1 - pos).c_str()), text.substr(t1 + 1, t2 - t1 - 1),
                        text.substr(t2 + 1, nl - t2 - 1)});
     pos = nl + 1;
   }
   return lines;
+}
+
+std::map<int, std::string> RefusedLines(const std::string& text) {
+  std::map<int, std::string> out;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size()), tab = text.find('\t', pos + 2);
+    if (text.compare(pos, 2, "?\t") == 0 && tab < nl)
+      out[std::atoi(text.substr(pos + 2, tab - pos - 2).c_str())] = text.substr(tab + 1, nl - tab - 1);
+    pos = nl + 1;
+  }
+  return out;
 }
 
 bool ParseServerInfo(const std::string& text, ServerInfo* info) {
@@ -129,7 +178,7 @@ bool TakeRequest(std::string* in, Request* request, bool* bad) {
   if (in->empty()) return false;
   const char op = (*in)[0];
   const bool valued = op == kSet || op == kHello;
-  if (!valued && op != kGet && op != kPeers && op != kAbortQuery && op != kInfo) {
+  if (!valued && op != kGet && op != kPeers && op != kAbortQuery && op != kInfo && op != kSettingsQuery) {
     *bad = true;
     return false;
   }
@@ -154,9 +203,11 @@ RendezvousServer::~RendezvousServer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);
 }
 
-absl::Status RendezvousServer::Start(int port, int world_size, const std::string& run_id, int torchrun_store_port) {
+absl::Status RendezvousServer::Start(int port, int world_size, const std::string& run_id, int torchrun_store_port,
+                                     const std::string& settings) {
   world_size_ = world_size;
   run_id_ = OneField(run_id);
+  settings_ = settings;
   char host[256] = {};
   host_ = ::gethostname(host, sizeof host - 1) == 0 ? host : "?";
   listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
@@ -196,7 +247,9 @@ absl::Status RendezvousServer::Start(int port, int world_size, const std::string
 }
 
 void RendezvousServer::Drop(int fd, Waiting* waiting) {
-  if (const size_t unsent = sending_[fd].size(); unsent > kMaxUnsentReplies) {
+  const size_t unsent = sending_[fd].size();
+  const bool unread = unsent > kMaxUnsentReplies;
+  if (unread) {
     const auto it = registered_.find(fd);
     log::Warning(
         "rank 0's rendezvous store dropped {}: it sent requests and read none of their answers ({} bytes "
@@ -213,6 +266,7 @@ void RendezvousServer::Drop(int fd, Waiting* waiting) {
   clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
   if (auto it = registered_.find(fd); it != registered_.end()) {
     left_[it->second.rank] = it->second.host;
+    if (unread) dropped_.insert(it->second.rank);
     registered_.erase(it);
     live_ = static_cast<int>(registered_.size());
   }
@@ -228,7 +282,9 @@ std::string RendezvousServer::Peers() const {
     out += fmt::format("{}\t{}\t{}\n", rank, host,
                        kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
                        : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
+                       : dropped_.count(rank)                              ? kDroppedState
                                                                            : "left");
+  for (const auto& [rank, words] : refused_) out += fmt::format("?\t{}\t{}\n", rank, words);
   return out;
 }
 
@@ -240,23 +296,42 @@ std::string RendezvousServer::Info(const std::string& rank) const {
 }
 
 char RendezvousServer::Hello(int fd, const std::string& rank, const std::string& value) {
-  const std::vector<std::string> f = Fields(value);  // HelloValue's
+  const size_t nl = value.find('\n');
+  const std::vector<std::string> f = Fields(value.substr(0, nl));  // HelloValue's
+  const std::string settings = nl == std::string::npos ? "" : value.substr(nl + 1);
   const int r = std::atoi(rank.c_str());
   // Another job's rank (two jobs on one MASTER_PORT): it never joins this one, whatever its number.
   if (f.size() != 4 || std::atoi(f[1].c_str()) != world_size_ || f[2] != run_id_) return kOtherJob;
+  // Without a run id (ranks started by hand) the settings are all that tells two jobs apart: a rank
+  // whose settings are not this job's never joins it. With one, the ranks are one launch: they meet
+  // and all stop on their settings (CheckRanksAgree). A rank that failed before it knew its settings
+  // (ReportEarlyFailure) brings none, and is not compared.
+  const bool other_settings = run_id_.empty() && !settings_.empty() && !settings.empty() && settings != settings_;
   // A live rank of this number: the claimant is not its restart (that one's connection would have
   // closed) but another process as this job: another job launched alike, or the rank started twice.
   for (const auto& [other_fd, who] : registered_)
-    if (who.rank == r) return kDuplicate;
+    if (who.rank == r) return other_settings ? RefuseSettings(r, f, settings) : kDuplicate;
   // This rank joined this store before and left: its new incarnation (a pod restarted in place while
   // this rank 0 still runs the old job) must not meet the old run's addresses. Refused, it retries
-  // until a fresh rank 0 serves.
+  // until a fresh rank 0 serves (which compares its settings).
   if (ever_ranks_.count(r)) return kRejoin;
+  if (other_settings) return RefuseSettings(r, f, settings);
   registered_[fd] = {r, f[0], std::atoll(f[3].c_str())};
   live_ = static_cast<int>(registered_.size());
   ever_ranks_.insert(r);
   ever_ = static_cast<int>(ever_ranks_.size());
   return kJoined;
+}
+
+char RendezvousServer::RefuseSettings(int rank, const std::vector<std::string>& hello, const std::string& settings) {
+  const std::string differs = SettingsDifference(settings_, settings, rank);
+  log::Warning(
+      "rank 0's rendezvous refused a rank {} (host {}, pid {}): {}: another job started by hand on this MASTER_PORT, "
+      "or a rank of this job started with other flags; still waiting for this job's rank {}",
+      rank, log::Printable(hello[0]), log::Printable(hello[3]), differs, rank);
+  refused_[rank] = OneField(fmt::format("a rank {} (host {}, pid {}) with other settings: {}", rank,
+                                        log::Printable(hello[0]), log::Printable(hello[3]), differs));
+  return kOtherSettings;
 }
 
 bool RendezvousServer::Receive(int fd) {
@@ -314,6 +389,7 @@ bool RendezvousServer::Serve(int fd, const Request& request, Waiting* waiting) {
     case kPeers: return ReplyBlob(fd, Peers());
     case kAbortQuery: return ReplyBlob(fd, abort_);
     case kInfo: return ReplyBlob(fd, Info(key));
+    case kSettingsQuery: return ReplyBlob(fd, settings_);
     default: return false;
   }
 }

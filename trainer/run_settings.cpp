@@ -248,13 +248,22 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
   return all;
 }
 
-absl::Status CheckRanksAgree(Communicator* comm, const Settings& all) {
-  if (comm->size() == 1) return absl::OkStatus();
-  // Resolved paths may differ between nodes that mount the same files elsewhere: the paths as
-  // given are compared.
+namespace {
+// Resolved paths may differ between nodes that mount the same files elsewhere: the paths as given
+// are compared.
+Settings Agreed(const Settings& all) {
   Settings mine;
   for (const auto& kv : all)
     if (!kv.first.ends_with(" (resolved)")) mine.push_back(kv);
+  return mine;
+}
+}  // namespace
+
+std::string AgreedSettingsText(const Settings& all) { return Serialize(Agreed(all)); }
+
+absl::Status CheckRanksAgree(Communicator* comm, const Settings& all) {
+  if (comm->size() == 1) return absl::OkStatus();
+  const Settings mine = Agreed(all);
   const int rank = comm->rank(), size = comm->size();
   // Rank 0's settings to every rank; each finds the first of them it differs in (index + 1).
   PTK_ASSIGN_OR_RETURN(std::string root_text, BroadcastText(comm, Serialize(mine), 0));

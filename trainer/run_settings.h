@@ -21,6 +21,11 @@ using Settings = std::vector<std::pair<std::string, std::string>>;
 // The settings of a run of `options` with global batch size `gbs` (as used), in a fixed order.
 Settings RunSettings(const TrainOptions& options, int64_t gbs);
 
+// The settings every rank must share (those CheckRanksAgree compares: the data paths as given, not
+// resolved), one "flag\tvalue" line each in `all`'s order: what a rank's rendezvous hello carries
+// (RendezvousStore::Connect's `settings`).
+std::string AgreedSettingsText(const Settings& all);
+
 // Start-up handshake between data-parallel ranks, before any collective whose size depends on the
 // flags (gloo aborts the process when ranks all-reduce different sizes): every rank compares its
 // settings with rank 0's, and all of them fail alike with one line naming the first differing

@@ -18,10 +18,11 @@
     needs an Indexed Job; onExitCodes names the container; an Indexed Job's pod hostname (<job>-<index>)
     is a DNS label; the headless Service selects the Job's pods and the pods' subdomain is its name;
     MASTER_ADDR is rank 0's name; the PyTorchJob has one Master, a container named pytorch with a port
-    named pytorchjob-port; JOB_COMPLETIONS equals completions; every image is IMAGE, every pod mounts
+    named pytorchjob-port, and each pod's PTK_RUN_ID is the job's name (the operator's
+    training.kubeflow.org/job-name label); JOB_COMPLETIONS equals completions; every image is IMAGE, every pod mounts
     PVC_NAME at MOUNT_PATH, and the paths the commands name under /opt/ptk are in the Dockerfile's tree;
   - and the checks bite: a manifest with an unknown field, a wrong type, or a restartPolicy the
-    operator does not know fails them.
+    operator does not know, a Worker without the job's run id fails them.
 
 Usage: k8s_manifests_test.py SOURCE_DIR
 Exit 77 (skipped) only when the validator (kubernetes-validate, installed by scripts/install-deps.sh
@@ -297,6 +298,10 @@ def pytorchjob_checks(pj, cfg):
         env = {e["name"] for e in c.get("env", [])}
         check(not env & {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"},
               f"{rtype}: sets what the operator sets: {env & {'RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'}}")
+        run_id = next((e for e in c.get("env", []) if e["name"] == "PTK_RUN_ID"), {})
+        check(run_id.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") ==
+              "metadata.labels['training.kubeflow.org/job-name']",
+              f"{rtype}: PTK_RUN_ID is not the PyTorchJob's name (the operator's job-name label)")
         one_rank_per_pod_checks(f"PyTorchJob {rtype}", c)
 
 
@@ -362,7 +367,12 @@ m = copy.deepcopy(base["pytorchjob"][0])
 m["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] = "Sometimes"  # the operator's webhook refuses it
 check(caught_by(pytorchjob_checks, m, dict(TEST_CONFIG, PVC_NAME="fsx-claim")),
       "the semantic checks accept a restartPolicy the training operator does not know")
-print(f"the validation rejects each of {len(mutations) + 2} broken manifests", flush=True)
+m = copy.deepcopy(base["pytorchjob"][0])
+worker_env = m["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+worker_env[:] = [e for e in worker_env if e["name"] != "PTK_RUN_ID"]  # its pods would meet with no run id
+check(caught_by(pytorchjob_checks, m, dict(TEST_CONFIG, PVC_NAME="fsx-claim")),
+      "the semantic checks accept a Worker without the job's run id")
+print(f"the validation rejects each of {len(mutations) + 3} broken manifests", flush=True)
 
 if failures:
     print(f"{len(failures)} failures", flush=True)

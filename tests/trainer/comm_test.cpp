@@ -425,7 +425,13 @@ TEST(Rendezvous, ARankThatReadsNoAnswerHoldsNoOtherRank) {
   const std::string warned = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(warned.find("rank 0's rendezvous store dropped rank 2 (host rank-two, pid "), std::string::npos) << warned;
   EXPECT_NE(warned.find("read none of their answers"), std::string::npos) << warned;
-  EXPECT_NE(stores[0]->PollExitedRank().find("rank 2 (host rank-two)"), std::string::npos);
+  // Said as what it is, not as a rank that exited (it was said to have "exited (its connection to the
+  // rendezvous closed: killed, crashed or stopped early)", which it did not).
+  const std::string dropped =
+      "rank 2 (host rank-two) was disconnected by the rendezvous store: it stopped reading its answers (stopped or "
+      "hung)";
+  EXPECT_EQ(stores[0]->PollExitedRank(), dropped);
+  EXPECT_EQ(stores[1]->DiagnosePeers("all-reduce: Connection reset by peer"), dropped);
 }
 
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the

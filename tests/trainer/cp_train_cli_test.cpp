@@ -285,7 +285,7 @@ TEST_F(ContextParallelCli, RanksWithAnotherParallelSizeAreRefusedNamingTheFlag) 
     std::string cmd = Train(2, "--distributed-timeout-minutes 0.2", 4);
     const std::string cp = "--context-parallel-size 2 ";
     cmd.replace(cmd.find(cp), cp.size(), c.flag + " ");
-    const auto r = Ranks(2, "bash -c " + ShellQuote(cmd));
+    const auto r = Ranks(2, "env PTK_RUN_ID=one bash -c " + ShellQuote(cmd));  // one launch
     EXPECT_NE(r.output.find("rc=2 2"), std::string::npos) << r.output << Logs(2);
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("did not join"), std::string::npos) << r.output;

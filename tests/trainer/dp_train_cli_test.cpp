@@ -272,7 +272,7 @@ TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
 
 TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
   const std::string cmd = Train("", 2);
-  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 PTK_RUN_ID=one MASTER_PORT=" +
                                           std::to_string(testing::FreeTestPort()) + "; RANK=1 " + cmd +
                                           " --use-distributed-optimizer > /dev/null 2>&1 & RANK=0 " + cmd +
                                           "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));

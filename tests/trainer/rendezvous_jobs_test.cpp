@@ -25,17 +25,19 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-std::unique_ptr<RendezvousStore> Join(int rank, int world, int port, const std::string& run_id) {
-  auto s = RendezvousStore::Connect(rank, world, "127.0.0.1", port, 60s, run_id);
+std::unique_ptr<RendezvousStore> Join(int rank, int world, int port, const std::string& run_id,
+                                      const std::string& settings = "") {
+  auto s = RendezvousStore::Connect(rank, world, "127.0.0.1", port, 60s, run_id, 0, settings);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? *std::move(s) : nullptr;
 }
 
 // Connect as `rank` of another job, which must be refused at once (kFailedPrecondition, well before
 // its 60 s timeout); its message.
-std::string Refused(int rank, int world, int port, const std::string& run_id, std::chrono::milliseconds timeout = 60s) {
+std::string Refused(int rank, int world, int port, const std::string& run_id, std::chrono::milliseconds timeout = 60s,
+                    const std::string& settings = "") {
   const auto t0 = Clock::now();
-  auto s = RendezvousStore::Connect(rank, world, "127.0.0.1", port, timeout, run_id);
+  auto s = RendezvousStore::Connect(rank, world, "127.0.0.1", port, timeout, run_id, 0, settings);
   EXPECT_FALSE(s.ok()) << "rank " << rank << " of " << run_id << " joined";
   EXPECT_LT(Clock::now() - t0, 30s) << "it waited for the timeout";
   if (s.ok()) return "";
@@ -97,6 +99,78 @@ TEST(RendezvousJobs, ARankConnectedNowIsNotClaimedTwice) {
             "rank 0: MASTER_PORT " + std::to_string(port) + " on this host is held by another ptk rank 0 (" + Who() +
                 "; WORLD_SIZE 2, no run id), this job being WORLD_SIZE 2, run id PTK_RUN_ID=b: give each job a "
                 "MASTER_PORT of its own");
+}
+
+// Two jobs started by hand at the same moment (no run id), the same WORLD_SIZE and port, but other
+// settings (AgreedSettingsText's lines): the other job's rank, coming before this job's own rank 1, is
+// refused at once naming the first setting that differs with both values (before, it joined as rank 1
+// and this job's own rank 1 was refused as "already connected": the two jobs mixed until their
+// settings check stopped both); rank 0 warns naming it and this job's rank 1 still joins. Refused the
+// same once rank 1 is connected; a rank that brings no settings (one that failed before it knew
+// them: ReportEarlyFailure) is not compared; with a run id the ranks are one launch, and meet (their
+// settings check stops them all, naming the flag).
+TEST(RendezvousJobs, WithoutRunIdsARankOfOtherSettingsNeverJoins) {
+  const std::string mine = "--num-layers\t12\n--seed\t1234\n--save\t\n";
+  const std::string other_layers = "--num-layers\t24\n--seed\t1234\n--save\t\n";
+  const std::string other_two = "--num-layers\t12\n--seed\t5\n--save\t/ckpt\n";
+  const int port = testing::FreeTestPort();
+  const std::string p = std::to_string(port);
+  auto a0 = Join(0, 3, port, "", mine);
+  ASSERT_NE(a0, nullptr);
+  const std::string line = "rendezvous: the rank 0 at 127.0.0.1:" + p + " (" + Who() +
+                           "; WORLD_SIZE 3, no run id) runs other settings than this rank 1: --num-layers differs: "
+                           "rank 0 has 12, rank 1 has 24: another job started by hand (WORLD_SIZE 3, no run id) uses "
+                           "MASTER_PORT " +
+                           p +
+                           ", or this rank was started with other flags than rank 0; every rank of a job needs the "
+                           "same flags, each job a MASTER_PORT of its own (and a run id: PTK_RUN_ID)";
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(Refused(1, 3, port, "", 60s, other_layers), line);  // before this job's rank 1
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("rank 0's rendezvous refused a rank 1 (" + Who() +
+                        "): --num-layers differs: rank 0 has 12, rank 1 has 24: another job started by hand on this "
+                        "MASTER_PORT, or a rank of this job started with other flags; still waiting for this job's "
+                        "rank 1"),
+            std::string::npos)
+      << warned;
+  auto a1 = Join(1, 3, port, "", mine);
+  ASSERT_NE(a1, nullptr);
+  EXPECT_EQ(Refused(1, 3, port, "", 60s, other_layers), line);  // after it: not "already has a rank 1 connected"
+  EXPECT_NE(Refused(2, 3, port, "", 60s, other_two)
+                .find("this rank 2: --seed differs: rank 0 has 1234, rank 2 has 5 (and 1 other setting): "),
+            std::string::npos);
+  auto a2 = Join(2, 3, port, "", "");  // no settings: not compared
+  ASSERT_NE(a2, nullptr);
+  ASSERT_TRUE(a1->Set("1", "rank 1's address").ok());
+  auto got = a0->Get("1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "rank 1's address");
+
+  const int port2 = testing::FreeTestPort();
+  auto c0 = Join(0, 2, port2, "PTK_RUN_ID=c", mine);
+  auto c1 = Join(1, 2, port2, "PTK_RUN_ID=c", other_layers);  // one launch: it meets
+  EXPECT_NE(c1, nullptr);
+}
+
+// A rank of this job started with other flags (no run id): refused as another job's would be, so
+// rank 0 waits for its rank 2 until the timeout; its error then says what it refused meanwhile of the
+// ranks that never came, with the setting that differs (it said only "rank 2 did not join ...; is that
+// rank running?"); a refused rank 1 that then came with the job's settings is not named.
+TEST(RendezvousJobs, ATimeoutNamesTheRanksRefusedForTheirSettings) {
+  const int port = testing::FreeTestPort();
+  auto a0 = RendezvousStore::Connect(0, 3, "127.0.0.1", port, 1000ms, "", 0, "--seed\t1234\n");
+  ASSERT_TRUE(a0.ok()) << a0.status();
+  for (int rank : {1, 2})
+    EXPECT_NE(Refused(rank, 3, port, "", 60s, "--seed\t5\n").find("--seed differs: rank 0 has 1234"),
+              std::string::npos);
+  auto a1 = Join(1, 3, port, "", "--seed\t1234\n");
+  ASSERT_NE(a1, nullptr);
+  auto got = (*a0)->Get("2");
+  ASSERT_TRUE(absl::IsDeadlineExceeded(got.status())) << got.status();
+  EXPECT_EQ(got.status().message(),
+            "rank 2 did not join within 1 s (--distributed-timeout-minutes): start all 3 ranks (WORLD_SIZE) with the "
+            "same MASTER_ADDR and MASTER_PORT and the same flags; is that rank running? Refused meanwhile: a rank 2 (" +
+                Who() + ") with other settings: --seed differs: rank 0 has 1234, rank 2 has 5");
 }
 
 // A listener on the port that is not ptk's: silent, answering something else, or closing each

@@ -158,11 +158,11 @@ TEST_F(TimersCli, RanksAtDifferentLevelsStopAtStartUp) {
                              "rank 1 was started with --no-barrier-with-level-1-timing on, rank 0 with "
                              "--no-barrier-with-level-1-timing off"}}) {
     SCOPED_TRACE(c.rank1);
-    auto r = RunCmd(
-        "bash -c " +
-        ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) +
-                   "; RANK=1 timeout 300 " + base + " " + c.rank1 + " > " + ShellQuote(RankLog(1)) +
-                   " 2>&1 & RANK=0 timeout 300 " + base + " " + c.rank0 + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+    auto r =
+        RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 PTK_RUN_ID=one MASTER_PORT=" +
+                                       std::to_string(testing::FreeTestPort()) + "; RANK=1 timeout 300 " + base + " " +
+                                       c.rank1 + " > " + ShellQuote(RankLog(1)) + " 2>&1 & RANK=0 timeout 300 " + base +
+                                       " " + c.rank0 + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
     EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << ReadFile(RankLog(1));
     EXPECT_NE(r.output.find(c.named), std::string::npos) << r.output;
   }

@@ -888,17 +888,40 @@ TEST_F(TrainCli, FullDiskIsExit3) {
   EXPECT_EQ(ls.output.find("iter_"), std::string::npos) << "a failed save left a directory: " << ls.output;
 }
 
-// Point 7: ranks started with different model flags fail at start-up in one line naming the flag
-// (no gloo abort); a bad RANK is a usage error.
+// Point 7: ranks of one launch (one run id) started with different model flags fail at start-up in
+// one line naming the flag (no gloo abort); without a run id (started by hand) the rank whose
+// settings are not rank 0's is refused at its hello, naming the flag with both values (it may be
+// another job's: rank 0 warns and waits for its own rank 1, here until its short timeout); a bad
+// RANK is a usage error.
 TEST_F(TrainCli, RanksWithDifferentFlagsFailInOneLine) {
   const std::string base = Train("--threads 1", 4);
-  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
-                                          "; RANK=1 " + base + " --hidden-size 64 > " + ShellQuote(dir_ / "r1.log") +
-                                          " 2>&1 & RANK=0 " + base + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  auto r =
+      RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 PTK_RUN_ID=one MASTER_PORT=" + Port() +
+                                     "; RANK=1 " + base + " --hidden-size 64 > " + ShellQuote(dir_ / "r1.log") +
+                                     " 2>&1 & RANK=0 " + base + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
   EXPECT_NE(r.output.find("rank 1 was started with --hidden-size 64, rank 0 with --hidden-size 32"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  // By hand: rank 0 first (listening), then rank 1, refused at once; rank 0 names it and waits out its timeout.
+  const std::string port = Port();
+  auto hand =
+      RunCmd("bash -c " +
+             ShellQuote("unset PTK_RUN_ID SLURM_JOB_ID TORCHELASTIC_RUN_ID TORCHELASTIC_ERROR_FILE; export "
+                        "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                        port + "; RANK=0 " + base + " --distributed-timeout-minutes 0.1 > " +
+                        ShellQuote(dir_ / "h0.log") + " 2>&1 & for i in $(seq 1200); do (: > /dev/tcp/127.0.0.1/" +
+                        port + ") 2>/dev/null && break; sleep 0.05; done; RANK=1 " + base +
+                        " --hidden-size 64; rc1=$?; wait $!; echo rc0=$? rc1=$rc1"));
+  const std::string h0 = testing::ReadFile(dir_ / "h0.log");
+  EXPECT_NE(hand.output.find("rc0=1 rc1=1"), std::string::npos) << hand.output << h0;
+  EXPECT_NE(hand.output.find("runs other settings than this rank 1: --hidden-size differs: rank 0 has 32, rank 1 has "
+                             "64 (and "),
+            std::string::npos)
+      << hand.output;
+  EXPECT_NE(h0.find("rank 0's rendezvous refused a rank 1 (host "), std::string::npos) << h0;
+  EXPECT_NE(h0.find("rank 1 did not join within"), std::string::npos) << h0;
+  EXPECT_NE(h0.find("Refused meanwhile: a rank 1 (host "), std::string::npos) << h0;
   auto bad = RunCmd("RANK=2 WORLD_SIZE=2 " + base);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("RANK=2 is outside [0, 1] (WORLD_SIZE=2)"), std::string::npos) << bad.output;

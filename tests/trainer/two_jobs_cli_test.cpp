@@ -43,13 +43,14 @@ class TwoJobsCli : public ::testing::Test {
            " --train-iters 30 --threads 1 --make-vocab-size-divisible-by 512 --data-path " +
            ShellQuote(dir_ / "data_text_document") + " --data-cache-path " + ShellQuote(dir_ / (job + "/cache"));
   }
-  // Bash that starts rank `rank` of `job` on `port` in the background, its log in DIR/<job><rank>.log,
-  // $t<job><rank> its `timeout` and $p<job><rank> the ptk-train under it (for SIGSTOP).
-  std::string Start(const std::string& job, int rank, int port, const std::string& run_id) const {
+  // Bash that starts rank `rank` of `job` on `port` in the background (`extra`: flags after Train's), its log in
+  // DIR/<job><rank>.log, $t<job><rank> its `timeout` and $p<job><rank> the ptk-train under it (for SIGSTOP).
+  std::string Start(const std::string& job, int rank, int port, const std::string& run_id,
+                    const std::string& extra = "") const {
     const std::string v = job + std::to_string(rank);
     return "RANK=" + std::to_string(rank) + " MASTER_PORT=" + std::to_string(port) +
-           (run_id.empty() ? "" : " PTK_RUN_ID=" + run_id) + " timeout 120 " + Train(job) + " > " + ShellQuote(Log(v)) +
-           " 2>&1 & t" + v + "=$!; ";
+           (run_id.empty() ? "" : " PTK_RUN_ID=" + run_id) + " timeout 120 " + Train(job) + extra + " > " +
+           ShellQuote(Log(v)) + " 2>&1 & t" + v + "=$!; ";
   }
   // Bash: wait for rank `rank` of `job`, echo "rc<job><rank>=N".
   static std::string Wait(const std::string& job, int rank) {
@@ -228,6 +229,37 @@ TEST_F(TwoJobsCli, TwoJobsStartedTogetherNeverMix) {
   EXPECT_EQ(r.Rc(lost + "1"), 1) << logs;
   EXPECT_TRUE(SaysOnce(Read(lost + "0"), "held by another ptk rank 0 (host " + host_)) << logs;
   EXPECT_TRUE(SaysOnce(Read(lost + "1"), "run id PTK_RUN_ID=job-" + won + "), not this rank's")) << logs;
+}
+
+// Two jobs started together by hand, no run id, the same WORLD_SIZE and port, other flags (B's seed): B's
+// rank 1, coming while A's rank 0 waits for its own rank 1, is refused at once naming the setting with both
+// values (before, it joined A: A's rank 0 and B's rank 1 met and both stopped on their settings, A's own
+// rank 1 refused as "already connected"); B's rank 0 finds the port held; A's rank 1, coming after, joins
+// and A runs as alone, its rank 0 having warned of the rank it refused.
+TEST_F(TwoJobsCli, TwoJobsStartedTogetherByHandWithOtherFlagsNeverMix) {
+  const auto alone = Alone();
+  ASSERT_EQ(alone.size(), 30u);
+  const int port = testing::FreeTestPort();
+  const std::string p = std::to_string(port);
+  const Run r = Script(Start("a", 0, port, "") + UntilListening(port) + Start("b", 1, port, "", " --seed 4321") +
+                       Start("b", 0, port, "", " --seed 4321") + Wait("b", 1) + Wait("b", 0) + Start("a", 1, port, "") +
+                       Wait("a", 0) + Wait("a", 1));
+  const std::string logs = r.out + Logs({"a0", "a1", "b0", "b1"});
+  EXPECT_EQ(r.Rc("b0"), 1) << logs;
+  EXPECT_EQ(r.Rc("b1"), 1) << logs;
+  EXPECT_TRUE(SaysOnce(Read("b1"), "rendezvous: the rank 0 at 127.0.0.1:" + p + " (host " + host_ + ", pid ")) << logs;
+  EXPECT_TRUE(
+      SaysOnce(Read("b1"),
+               "; WORLD_SIZE 2, no run id) runs other settings than this rank 1: --seed differs: rank 0 has "
+               "1234, rank 1 has 4321: another job started by hand (WORLD_SIZE 2, no run id) uses MASTER_PORT " +
+                   p))
+      << logs;
+  EXPECT_TRUE(SaysOnce(Read("b0"), "; WORLD_SIZE 2, no run id), this job being WORLD_SIZE 2, no run id")) << logs;
+  EXPECT_NE(Read("a0").find("rank 0's rendezvous refused a rank 1 (host " + host_ + ", pid "), std::string::npos)
+      << logs;
+  EXPECT_EQ(r.Rc("a0"), 0) << logs;
+  EXPECT_EQ(r.Rc("a1"), 0) << logs;
+  ExpectUndisturbed("a", alone);
 }
 
 // A stale program that is not ptk holds the port (it accepts and never answers): rank 0 says so, not

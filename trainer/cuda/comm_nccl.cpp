@@ -72,7 +72,7 @@ class NcclCommunicator : public Communicator {
                                                   std::getenv("CUDA_VISIBLE_DEVICES")));
     PTK_RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "selecting the rank's GPU"));
     PTK_ASSIGN_OR_RETURN(store_, RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout,
-                                                          o.run_id, o.torchrun_store_port));
+                                                          o.run_id, o.torchrun_store_port, o.settings));
     // NCCL's unique id, from rank 0 through the store (fresh every run: a requeue meets no stale id).
     ncclUniqueId id;
     std::memset(&id, 0, sizeof id);

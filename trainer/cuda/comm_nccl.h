@@ -31,6 +31,9 @@ struct NcclOptions {
   // The launch's identity, the same on every rank (TrainingRanks::run_id): rank 0's store refuses a
   // rank of another (RendezvousStore::Connect).
   std::string run_id;
+  // What every rank must share, "flag\tvalue" lines (AgreedSettingsText): without run ids, rank 0's
+  // store refuses a rank whose settings differ (RendezvousStore::Connect). Empty: not compared.
+  std::string settings;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous, initialisation, each collective
   // Called once, on the watchdog thread, when the communicator was aborted and the training thread
   // has not come back from the device within `stuck_grace` (a kernel that the abort did not end):
