@@ -26,6 +26,7 @@
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "dataprep/input/byte_source.h"
 #include "dataprep/input/input_list.h"
 
@@ -332,8 +333,6 @@ absl::Status CheckBuiltChunkInputs(const ConcatPlan& plan, size_t index) {
   }
   return absl::OkStatus();
 }
-
-constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
 
 // One input's bytes (decoded when compressed) appended to the chunk, but a UTF-8 BOM at its start:
 // ptk-tokenize drops one at the start of a file, but inside a chunk it began a record, which was

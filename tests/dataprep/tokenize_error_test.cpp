@@ -149,6 +149,41 @@ TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
   EXPECT_EQ(docs[0], docs[1]);
 }
 
+// A UTF-8 BOM is read as Python's utf-8-sig codec reads it: dropped where it starts the file, and
+// anywhere else a character, which before a record's JSON makes the record one json.loads refuses.
+// Regression: such a record (a file joined with cat from files that each had a BOM) was skipped as
+// "Expecting value at column 1", which named neither the BOM nor where it was.
+TEST(TokenizeErrors, ABomInsideAFileIsABadRecordNamingItsByte) {
+  TempDir dir;
+  const std::string bom = "\xEF\xBB\xBF";
+  const std::string a = "{\"text\": \"Hello world\"}\n";  // 24 bytes
+  testing::WriteFile(dir / "in.jsonl", bom + a + a + bom + a + a);
+  testing::WriteFile(dir / "in.jsonl.zst", testing::ZstdCompress(bom + a + a + bom + a + a));
+  for (const char* in : {"in.jsonl", "in.jsonl.zst"}) {
+    const std::string want = fmt::format(
+        "{}:3: skipped bad record (malformed JSON): Unexpected UTF-8 BOM at byte 51: only one that starts a file is "
+        "dropped (files joined with their BOMs? ptk-concat drops each input's)",
+        dir / in);
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1", dir / in, dir / "out")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+    EXPECT_EQ(Docs(dir / "out_text_document").size(), 3u);
+    auto strict = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / in, dir / "strict")));
+    EXPECT_EQ(strict.exit_code, 1) << strict.output;
+    EXPECT_NE(
+        strict.output.find(fmt::format("{}:3: bad record (malformed JSON): Unexpected UTF-8 BOM at byte 51", dir / in)),
+        std::string::npos)
+        << strict.output;
+  }
+  // Two BOMs at the start: the second is the text's (utf-8-sig drops one).
+  testing::WriteFile(dir / "two.jsonl", bom + bom + a + a);
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / "two.jsonl", dir / "two")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("two.jsonl:1: bad record (malformed JSON): Unexpected UTF-8 BOM at byte 3:"),
+            std::string::npos)
+      << r.output;
+}
+
 // Regression: Megatron reads with Python's universal newlines, where a bare "\r" ends a
 // line too: 5 documents there, 3 in ptk before.
 TEST(TokenizeErrors, BareCarriageReturnEndsALineAsInPython) {
@@ -1400,6 +1435,12 @@ TEST(TokenizeErrors, HundredMegabyteDocument) {
 // The record parser alone: Python json.loads semantics on what simdjson rejects.
 TEST(JsonRecordParser, PythonCompatibleSlowPath) {
   JsonRecordParser p({"text"});
+  // json.loads('\ufeff{"text": "a"}') and json.loads('\ufeff'): "Unexpected UTF-8 BOM", whatever follows.
+  for (const char* bom_line : {"\xEF\xBB\xBF{\"text\": \"a\"}", "\xEF\xBB\xBF", "\xEF\xBB\xBF  "}) {
+    auto r = p.Parse(bom_line, false);
+    EXPECT_EQ(r.status, RecordStatus::kMalformed) << bom_line;
+    EXPECT_EQ(r.message, "Unexpected UTF-8 BOM") << bom_line;
+  }
   auto parse = [&](const std::string& s) { return p.Parse(s, false); };
   EXPECT_EQ(parse("{\"text\": \"a\", \"n\": NaN, \"i\": -Infinity}").status, RecordStatus::kOk);
   EXPECT_EQ(parse("{\"text\": \"a\", \"big\": 123456789012345678901234567890}").status, RecordStatus::kOk);
