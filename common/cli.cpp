@@ -65,10 +65,10 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 
 namespace {
 
-// Long option names -> supported (false for the kUnsupportedGroup ones); short ones ("-h").
+// Long option names -> supported (false for the kUnsupportedGroup and kIgnoredGroup ones); short ones ("-h").
 void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, std::set<std::string>* shorts) {
   for (const CLI::Option* opt : app.get_options()) {
-    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
+    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = !IsCompatOnly(*opt);
     for (const std::string& n : opt->get_snames()) shorts->insert("-" + n);
   }
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
@@ -189,8 +189,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     std::vector<std::string> own;  // this (sub)command's flags that `name` starts
     for (const CLI::Option* opt : context->get_options())
       for (const std::string& n : opt->get_lnames())
-        if (opt->get_group() != kUnsupportedGroup && ("--" + n).compare(0, name.size(), name) == 0)
-          own.push_back("--" + n);
+        if (!IsCompatOnly(*opt) && ("--" + n).compare(0, name.size(), name) == 0) own.push_back("--" + n);
     if (own.size() == 1) {
       count(own[0]);
       if (eq != std::string::npos) value_pending = false;
@@ -445,17 +444,6 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     if (n > 1 && !IsRepeatable(app, name))
       log::Warning("{} given {} times: only the last counts (as in argparse)", name, n);
   return std::nullopt;
-}
-
-void Refusals::Add(CLI::Option* opt, std::string why) {
-  opt->description("Not supported: " + why)->group(kUnsupportedGroup);
-  refused_.emplace_back(opt, std::move(why));
-}
-
-absl::Status Refusals::Check() const {
-  for (const auto& [opt, why] : refused_)
-    if (opt->count() > 0) return UsageError(fmt::format("{} is not supported: {}", opt->get_name(), why));
-  return absl::OkStatus();
 }
 
 absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix) {

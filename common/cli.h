@@ -64,10 +64,14 @@ CLI::Option* Repeatable(CLI::Option* opt);
 absl::Status CheckOptionTable(const CLI::App& app);
 
 // Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
-// not implement). An abbreviation that also matches a supported flag means the supported one.
+// not implement), and of flags accepted and ignored with a note (Megatron's that change nothing in
+// what the tool does). An abbreviation that also matches a supported flag means the supported one.
 // The name IntIn and RealIn give their validators (CheckOptionTable looks for it).
 inline constexpr const char* kRangeValidator = "ptk-range";
 inline constexpr const char* kUnsupportedGroup = "Not supported (accepted to say why)";
+inline constexpr const char* kIgnoredGroup = "Accepted and ignored, as Megatron does (noted when given)";
+// The option is in kUnsupportedGroup or kIgnoredGroup: it is there for another program's command lines.
+bool IsCompatOnly(const CLI::Option& opt);
 
 // Flags of the program a tool replaces that it does not implement, in kUnsupportedGroup: the
 // parser accepts them so that using one is a usage error saying why and what to do instead.
@@ -77,6 +81,10 @@ class Refusals {
   // `names` as CLI11 takes them ("--chunk_size,--chunk-size"); a flag, or an option with a value.
   void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
   void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
+  // An option with one value or more (argparse's nargs='+').
+  void List(const std::string& names, std::string why) {
+    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  }
   // After parsing: a usage error for the first refused flag given ("--apply-ftfy is not supported: ...").
   absl::Status Check() const;
 
@@ -84,6 +92,30 @@ class Refusals {
   void Add(CLI::Option* opt, std::string why);
   CLI::App& app_;
   std::vector<std::pair<const CLI::Option*, std::string>> refused_;
+};
+
+// Flags of the program a tool replaces that it accepts and ignores there too (in kIgnoredGroup):
+// Megatron's preprocess_data.py takes every tokenizer's flags, and its GPT2BPETokenizer reads few.
+// Their values are taken as text, as they are used for nothing.
+class IgnoredFlags {
+ public:
+  // `as`: how the program replaced ignores them ("as Megatron does with GPT2BPETokenizer").
+  IgnoredFlags(CLI::App& app, std::string as) : app_(app), as_(std::move(as)) {}
+  void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
+  void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
+  // An option with one value or more (argparse's nargs='+').
+  void List(const std::string& names, std::string why) {
+    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  }
+  // After parsing: a warning line for each one given ("--vocab-size 50257: ignored, as Megatron does
+  // with GPT2BPETokenizer: the vocab file defines the size").
+  void Note() const;
+
+ private:
+  void Add(CLI::Option* opt, std::string why);
+  CLI::App& app_;
+  std::string as_;
+  std::vector<std::pair<const CLI::Option*, std::string>> ignored_;
 };
 
 // The range every numeric flag carries where it is declared (CheckOptionTable refuses a numeric

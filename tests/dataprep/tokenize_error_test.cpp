@@ -390,6 +390,54 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find(dir / "in.jsonl is not a directory"), std::string::npos) << baddir.output;
 }
 
+// Megatron's preprocess_data.py takes every tokenizer's flags and its GPT2BPETokenizer reads few.
+// Regression: --vocab-size was refused and the others were unknown flags, where Megatron runs the line
+// and writes what it writes without them. Now each is accepted with a warning and changes no byte;
+// those that change Megatron's output are refused with the reason, and --legacy-tokenizer (<|endoftext|>
+// in the text as ordinary tokens) is --endoftext-as-text.
+TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world <|endoftext|> again\"}\n");
+  const std::string base = fmt::format("--input {} --append-eod --tokenizer-type GPT2BPETokenizer", dir / "in.jsonl");
+  auto plain = RunCmd(Tok(fmt::format("{} --output-prefix {}", base, dir / "plain")));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::string want = testing::ReadFile(dir / "plain_text_document.bin");
+  const std::vector<std::pair<std::string, std::string>> ignored = {
+      {"--vocab-size 50257", "--vocab-size 50257: ignored, as Megatron does with GPT2BPETokenizer: the vocab file"},
+      {"--padded-vocab-size=50304", "--padded-vocab-size 50304: ignored"},
+      {"--vocab-extra-ids 100", "--vocab-extra-ids 100: ignored"},
+      {"--tokenizer-hf-use-fast", "--tokenizer-hf-use-fast: ignored"},
+      {"--tokenizer-hf-include-special-tokens", "--tokenizer-hf-include-special-tokens: ignored"},
+      {"--trust-remote-code", "--trust-remote-code: ignored"},
+      {"--tiktoken-pattern v2", "--tiktoken-pattern v2: ignored"},
+      {"--tiktoken-num-special-tokens 1000", "--tiktoken-num-special-tokens 1000: ignored"},
+      {"--tiktoken-special-tokens '<unk>' '<s>'", "--tiktoken-special-tokens <unk> <s>: ignored"},
+      {"--tokenizer-sentencepiece-legacy", "--tokenizer-sentencepiece-legacy: ignored"},
+      {"--tokenizer-model m.model", "--tokenizer-model m.model: ignored, as Megatron does with GPT2BPETokenizer"},
+  };
+  int i = 0;
+  for (const auto& [flags, note] : ignored) {
+    const std::string prefix = dir / fmt::format("i{}", i++);
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, prefix)));
+    ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_EQ(testing::ReadFile(prefix + "_text_document.bin"), want) << flags;
+  }
+  for (const char* refused : {"--tokenizer-special-tokens '<a>' '<b>'", "--tokenizer-metadata meta.json"}) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, refused, dir / "r")));
+    EXPECT_EQ(r.exit_code, 2) << refused << "\n" << r.output;
+    EXPECT_NE(r.output.find(std::string(refused).substr(0, std::string(refused).find(' ')) + " is not supported: "),
+              std::string::npos)
+        << r.output;
+  }
+  auto legacy = RunCmd(Tok(fmt::format("{} --legacy-tokenizer --output-prefix {}", base, dir / "legacy")));
+  auto as_text = RunCmd(Tok(fmt::format("{} --endoftext-as-text --output-prefix {}", base, dir / "as_text")));
+  ASSERT_EQ(legacy.exit_code, 0) << legacy.output;
+  ASSERT_EQ(as_text.exit_code, 0) << as_text.output;
+  EXPECT_EQ(testing::ReadFile(dir / "legacy_text_document.bin"), testing::ReadFile(dir / "as_text_text_document.bin"));
+  EXPECT_NE(testing::ReadFile(dir / "legacy_text_document.bin"), want);
+}
+
 // Argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
 // (prefixes of --vocab-file and --merge-file); --flag=value works; a typo gets the closest flag; an
 // ambiguous prefix lists the candidates.
@@ -409,7 +457,8 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
   EXPECT_EQ(testing::ReadFile(dir / "e_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
   // Regression: NeMo's launcher (the Azure tutorial's preprocess stage, seed-pipelines.md 2.6) forwards
   // --tokenizer-model=None with its GPT-2 BPE tokenizer, which reads no model; it was refused as a SentencePiece
-  // model. Its line (less --apply-ftfy, refused with the reason) runs, and a real model is still refused.
+  // model. Its line (less --apply-ftfy, refused with the reason) runs, and a real model without a
+  // --tokenizer-type is still refused (Megatron has no default type: a SentencePiece/tiktoken run meant).
   auto nemo =
       RunCmd(Tok(fmt::format("--input={} --output-prefix={} --dataset-impl=mmap --tokenizer-library=megatron "
                              "--tokenizer-type=GPT2BPETokenizer --vocab={} --merge-file={} --append-eod "
