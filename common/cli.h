@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -32,10 +33,16 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 // more than once takes its last occurrence, as argparse does, a list flag its last list too
 // (--input a b --input c reads c), with a warning naming it; only a flag made Repeatable adds up.
 // With the environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
-std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+// What a tool says of a flag it does not have that users give it anyway ("--rank": the rank comes
+// from the launcher's environment), keyed by the flag with '-' between words; Parse prints it for
+// that unknown flag (spelt with '_' too) in place of a suggestion.
+using UnknownFlagHints = std::map<std::string, std::string>;
 
-// Levenshtein distance (insertions, deletions, substitutions): how near a misspelt flag or path is to
-// the one meant, for "did you mean ...?".
+// `hints`: what to say of an unknown flag instead of a suggestion.
+std::optional<int> Parse(CLI::App& app, int argc, char** argv, const UnknownFlagHints& hints = {});
+
+// Edit distance (insertions, deletions, substitutions, and swaps of two neighbours: optimal string
+// alignment): how near a misspelt flag or path is to the one meant, for "did you mean ...?".
 size_t EditDistance(const std::string& a, const std::string& b);
 
 // The indices of the `candidates` at the least edit distance from `name`, in their order, when that
@@ -43,6 +50,12 @@ size_t EditDistance(const std::string& a, const std::string& b);
 std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most);
 // The first of NearestNames' candidates, or "" when there is none.
 std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+
+// The flag among `flags` an unknown `name` most likely meant, or "": case and '_' for '-' aside, one
+// within a quarter of its letters in edits (at least one: --svae for --save, not --rank for --save), else
+// the one flag holding its words that adds the least to them, no more than they are long (--layers for
+// --num-layers; --size names none of the many that end in it).
+std::string NearestFlagName(const std::string& name, const std::vector<std::string>& flags);
 
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
 // ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
