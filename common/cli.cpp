@@ -65,10 +65,10 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 
 namespace {
 
-// Long option names -> supported (false for the kUnsupportedGroup ones); short ones ("-h").
+// Long option names -> supported (false for the kUnsupportedGroup and kIgnoredGroup ones); short ones ("-h").
 void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, std::set<std::string>* shorts) {
   for (const CLI::Option* opt : app.get_options()) {
-    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
+    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = !IsCompatOnly(*opt);
     for (const std::string& n : opt->get_snames()) shorts->insert("-" + n);
   }
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
@@ -78,28 +78,38 @@ void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, s
 // Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
 // unambiguous prefix stands for the option (--vocab for --vocab-file), `--flag=value` works; an
 // ambiguous prefix or an unknown flag is a usage error naming the candidates or the closest flag.
-// The flag among `names` an unknown `name` most likely meant (within a quarter of its length in edits, at
-// least 2), or "".
-std::string NearestFlag(const std::string& name, const std::map<std::string, bool>& names) {
+// The usage error for an unknown flag `given` (as typed; `name` with two dashes): the tool's hint for
+// it, else the flag most likely meant, if any.
+absl::Status UnknownFlag(const std::string& given, const std::string& name, const std::map<std::string, bool>& names,
+                         const UnknownFlagHints& hints, bool one_dash) {
+  std::string key = name;
+  std::replace(key.begin(), key.end(), '_', '-');
+  if (auto it = hints.find(key); it != hints.end())
+    return UsageError(fmt::format("unknown flag {}: {}", given, it->second));
   std::vector<std::string> flags;
   for (const auto& [n, supported] : names) flags.push_back(n);
-  return NearestName(name, flags, std::max<size_t>(2, name.size() / 4));
+  std::string best = NearestFlagName(name, flags);
+  if (one_dash && names.count(name)) best = name;
+  if (best.empty())
+    return UsageError(
+        fmt::format("unknown flag {}{}", given, one_dash ? " (ptk's flags are long ones, with two dashes)" : ""));
+  return UsageError(
+      fmt::format("unknown flag {}; did you mean {}?{}", given, best, one_dash ? " (long flags take two dashes)" : ""));
 }
 
 // A long flag written with one dash (-input, -workers: Go's and some Python scripts' spelling):
 // argparse and CLI11 would take it for short flags or a value and report something else (a
 // required --input missing, an unexpected "2"). The error names the long flag it most likely is.
-absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string, bool>& names) {
+absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string, bool>& names,
+                             const UnknownFlagHints& hints) {
   const std::string name = "-" + arg.substr(0, arg.find('='));
   std::vector<std::string> matches;
   for (auto it = names.lower_bound(name); it != names.end() && it->first.compare(0, name.size(), name) == 0; ++it)
     matches.push_back(it->first);
-  std::string best = names.count(name) ? name : matches.size() == 1 ? matches[0] : "";
-  if (best.empty()) best = NearestFlag(name, names);
   const std::string given = arg.substr(0, arg.find('='));
-  if (best.empty())
-    return UsageError(fmt::format("unknown flag {} (ptk's flags are long ones, with two dashes)", given));
-  return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
+  if (!names.count(name) && matches.size() == 1)
+    return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, matches[0]));
+  return UnknownFlag(given, name, names, hints, /*one_dash=*/true);
 }
 
 // "-inf", "-infinity", "-nan", in any case: what strtod reads as a non-finite number.
@@ -140,6 +150,7 @@ const CLI::Option* OwnOption(const CLI::App& app, const std::string& name) {
 // name or prefix is first looked for among that (sub)command's own flags, so that `ptk-concat run
 // --chunk 5` is run's --chunk-index, not also the tool's --chunks.
 absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv,
+                                                       const UnknownFlagHints& hints,
                                                        std::map<std::string, int>* given) {
   std::map<std::string, bool> names;
   std::set<std::string> shorts;
@@ -170,7 +181,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     if (i > 0 && !options_done && arg.size() >= 2 && arg[0] == '-' &&
         std::isalpha(static_cast<unsigned char>(arg[1])) && !shorts.count(arg.substr(0, 2)) &&
         !(value_pending && IsNonFiniteWord(arg)))
-      return OneDashLongFlag(arg, names);
+      return OneDashLongFlag(arg, names, hints);
     if (i == 0 || options_done || arg.size() < 3 || arg.compare(0, 2, "--") != 0) {
       if (arg == "--") options_done = true;
       out.push_back(std::move(arg));
@@ -189,8 +200,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     std::vector<std::string> own;  // this (sub)command's flags that `name` starts
     for (const CLI::Option* opt : context->get_options())
       for (const std::string& n : opt->get_lnames())
-        if (opt->get_group() != kUnsupportedGroup && ("--" + n).compare(0, name.size(), name) == 0)
-          own.push_back("--" + n);
+        if (!IsCompatOnly(*opt) && ("--" + n).compare(0, name.size(), name) == 0) own.push_back("--" + n);
     if (own.size() == 1) {
       count(own[0]);
       if (eq != std::string::npos) value_pending = false;
@@ -216,9 +226,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
       for (const auto& m : matches) list += (list.empty() ? "" : ", ") + m;
       return UsageError(fmt::format("ambiguous option {} could match {}", name, list));
     }
-    if (const std::string best = NearestFlag(name, names); !best.empty())
-      return UsageError(fmt::format("unknown flag {}; did you mean {}?", name, best));
-    return UsageError(fmt::format("unknown flag {}", name));
+    return UnknownFlag(name, name, names, hints, /*one_dash=*/false);
   }
   return out;
 }
@@ -388,7 +396,7 @@ int PrintedExit(const CLI::App& app, int print_errno) {
 
 }  // namespace
 
-std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
+std::optional<int> Parse(CLI::App& app, int argc, char** argv, const UnknownFlagHints& hints) {
   // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
   // disk (exit 3, the file named, nothing half-written), not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
@@ -403,7 +411,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     return kExitOk;
   }
   std::map<std::string, int> given;
-  auto args = ArgparseForms(app, argc, argv, &given);
+  auto args = ArgparseForms(app, argc, argv, hints, &given);
   if (!args.ok()) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
                  std::string(StatusMessage(args.status())).c_str());
@@ -445,17 +453,6 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     if (n > 1 && !IsRepeatable(app, name))
       log::Warning("{} given {} times: only the last counts (as in argparse)", name, n);
   return std::nullopt;
-}
-
-void Refusals::Add(CLI::Option* opt, std::string why) {
-  opt->description("Not supported: " + why)->group(kUnsupportedGroup);
-  refused_.emplace_back(opt, std::move(why));
-}
-
-absl::Status Refusals::Check() const {
-  for (const auto& [opt, why] : refused_)
-    if (opt->count() > 0) return UsageError(fmt::format("{} is not supported: {}", opt->get_name(), why));
-  return absl::OkStatus();
 }
 
 absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -32,10 +33,16 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 // more than once takes its last occurrence, as argparse does, a list flag its last list too
 // (--input a b --input c reads c), with a warning naming it; only a flag made Repeatable adds up.
 // With the environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
-std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+// What a tool says of a flag it does not have that users give it anyway ("--rank": the rank comes
+// from the launcher's environment), keyed by the flag with '-' between words; Parse prints it for
+// that unknown flag (spelt with '_' too) in place of a suggestion.
+using UnknownFlagHints = std::map<std::string, std::string>;
 
-// Levenshtein distance (insertions, deletions, substitutions): how near a misspelt flag or path is to
-// the one meant, for "did you mean ...?".
+// `hints`: what to say of an unknown flag instead of a suggestion.
+std::optional<int> Parse(CLI::App& app, int argc, char** argv, const UnknownFlagHints& hints = {});
+
+// Edit distance (insertions, deletions, substitutions, and swaps of two neighbours: optimal string
+// alignment): how near a misspelt flag or path is to the one meant, for "did you mean ...?".
 size_t EditDistance(const std::string& a, const std::string& b);
 
 // The indices of the `candidates` at the least edit distance from `name`, in their order, when that
@@ -43,6 +50,12 @@ size_t EditDistance(const std::string& a, const std::string& b);
 std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most);
 // The first of NearestNames' candidates, or "" when there is none.
 std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+
+// The flag among `flags` an unknown `name` most likely meant, or "": case and '_' for '-' aside, one
+// within a quarter of its letters in edits (at least one: --svae for --save, not --rank for --save), else
+// the one flag holding its words that adds the least to them, no more than they are long (--layers for
+// --num-layers; --size names none of the many that end in it).
+std::string NearestFlagName(const std::string& name, const std::vector<std::string>& flags);
 
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
 // ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
@@ -64,10 +77,14 @@ CLI::Option* Repeatable(CLI::Option* opt);
 absl::Status CheckOptionTable(const CLI::App& app);
 
 // Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
-// not implement). An abbreviation that also matches a supported flag means the supported one.
+// not implement), and of flags accepted and ignored with a note (Megatron's that change nothing in
+// what the tool does). An abbreviation that also matches a supported flag means the supported one.
 // The name IntIn and RealIn give their validators (CheckOptionTable looks for it).
 inline constexpr const char* kRangeValidator = "ptk-range";
 inline constexpr const char* kUnsupportedGroup = "Not supported (accepted to say why)";
+inline constexpr const char* kIgnoredGroup = "Accepted and ignored, as Megatron does (noted when given)";
+// The option is in kUnsupportedGroup or kIgnoredGroup: it is there for another program's command lines.
+bool IsCompatOnly(const CLI::Option& opt);
 
 // Flags of the program a tool replaces that it does not implement, in kUnsupportedGroup: the
 // parser accepts them so that using one is a usage error saying why and what to do instead.
@@ -77,6 +94,10 @@ class Refusals {
   // `names` as CLI11 takes them ("--chunk_size,--chunk-size"); a flag, or an option with a value.
   void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
   void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
+  // An option with one value or more (argparse's nargs='+').
+  void List(const std::string& names, std::string why) {
+    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  }
   // After parsing: a usage error for the first refused flag given ("--apply-ftfy is not supported: ...").
   absl::Status Check() const;
 
@@ -84,6 +105,30 @@ class Refusals {
   void Add(CLI::Option* opt, std::string why);
   CLI::App& app_;
   std::vector<std::pair<const CLI::Option*, std::string>> refused_;
+};
+
+// Flags of the program a tool replaces that it accepts and ignores there too (in kIgnoredGroup):
+// Megatron's preprocess_data.py takes every tokenizer's flags, and its GPT2BPETokenizer reads few.
+// Their values are taken as text, as they are used for nothing.
+class IgnoredFlags {
+ public:
+  // `as`: how the program replaced ignores them ("as Megatron does with GPT2BPETokenizer").
+  IgnoredFlags(CLI::App& app, std::string as) : app_(app), as_(std::move(as)) {}
+  void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
+  void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
+  // An option with one value or more (argparse's nargs='+').
+  void List(const std::string& names, std::string why) {
+    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  }
+  // After parsing: a warning line for each one given ("--vocab-size 50257: ignored, as Megatron does
+  // with GPT2BPETokenizer: the vocab file defines the size").
+  void Note() const;
+
+ private:
+  void Add(CLI::Option* opt, std::string why);
+  CLI::App& app_;
+  std::string as_;
+  std::vector<std::pair<const CLI::Option*, std::string>> ignored_;
 };
 
 // The range every numeric flag carries where it is declared (CheckOptionTable refuses a numeric

@@ -1,5 +1,6 @@
 // The near-miss suggestions of ptk's command lines (cli.h): how near a misspelt name is to the one meant.
 #include <algorithm>
+#include <cctype>
 #include <string>
 #include <vector>
 
@@ -10,12 +11,16 @@
 namespace ptk::cli {
 
 size_t EditDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  // Three rows: a transposition (ab -> ba) looks two characters back.
+  std::vector<size_t> before(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
     cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
+    for (size_t j = 1; j <= b.size(); ++j) {
       cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) cur[j] = std::min(cur[j], before[j - 2] + 1);
+    }
+    std::swap(before, prev);
     std::swap(prev, cur);
   }
   return prev[b.size()];
@@ -23,14 +28,13 @@ size_t EditDistance(const std::string& a, const std::string& b) {
 
 std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most) {
   std::vector<size_t> nearest;
-  size_t best = most + 1;
+  size_t best = most;
   for (size_t i = 0; i < candidates.size(); ++i) {
     const size_t d = EditDistance(name, candidates[i]);
-    if (d < best) {
-      nearest.clear();
-      best = d;
-    }
-    if (d == best) nearest.push_back(i);
+    if (d > best) continue;  // (a candidate one edit past `most` was suggested when none was nearer)
+    if (d < best) nearest.clear();
+    best = d;
+    nearest.push_back(i);
   }
   return nearest;
 }
@@ -38,6 +42,52 @@ std::vector<size_t> NearestNames(const std::string& name, const std::vector<std:
 std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most) {
   const std::vector<size_t> nearest = NearestNames(name, candidates, most);
   return nearest.empty() ? "" : candidates[nearest.front()];
+}
+
+namespace {
+
+// "--Local_Rank" -> "local-rank": a flag's words as argparse would match them, for comparing.
+std::string FlagStem(const std::string& flag) {
+  std::string stem = flag.substr(std::min(flag.find_first_not_of('-'), flag.size()));
+  for (char& c : stem) c = c == '_' ? '-' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return stem;
+}
+
+// `stem`'s words are whole words of `flag_stem`, in a row ("layers" in "num-layers", not in "numlayers").
+bool HoldsWords(const std::string& flag_stem, const std::string& stem) {
+  for (size_t at = flag_stem.find(stem); at != std::string::npos; at = flag_stem.find(stem, at + 1)) {
+    const size_t end = at + stem.size();
+    if ((at == 0 || flag_stem[at - 1] == '-') && (end == flag_stem.size() || flag_stem[end] == '-')) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string NearestFlagName(const std::string& name, const std::vector<std::string>& flags) {
+  const std::string stem = FlagStem(name);
+  if (stem.empty()) return "";
+  std::vector<std::string> stems;
+  for (const std::string& f : flags) stems.push_back(FlagStem(f));
+  // A typo: a quarter of the name's letters at most (one edit in a name of up to seven).
+  if (const std::vector<size_t> near = NearestNames(stem, stems, std::max<size_t>(1, stem.size() / 4)); !near.empty())
+    return flags[near.front()];
+  // Part of a flag's name (--layers for --num-layers): the one flag that adds least to it, and no more
+  // than the name itself has, so that --size names no flag of the many that end in it.
+  size_t best = stem.size() + 1, found = flags.size();
+  bool tie = false;
+  for (size_t i = 0; i < flags.size(); ++i) {
+    if (!HoldsWords(stems[i], stem)) continue;
+    const size_t extra = stems[i].size() - stem.size();
+    if (extra < best) {
+      best = extra;
+      found = i;
+      tie = false;
+    } else if (extra == best) {
+      tie = true;
+    }
+  }
+  return found < flags.size() && !tie ? flags[found] : "";
 }
 
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}", with the choice most likely meant, as an unknown

@@ -20,7 +20,7 @@ namespace {
 std::string RangeProblem(const CLI::Option& opt) {
   const std::string type = opt.get_type_name().substr(0, opt.get_type_name().find(':'));
   const bool integer = type == "INT" || type == "UINT";
-  if (opt.get_type_size() == 0 || opt.get_group() == kUnsupportedGroup || (!integer && type != "FLOAT")) return "";
+  if (opt.get_type_size() == 0 || IsCompatOnly(opt) || (!integer && type != "FLOAT")) return "";
   const CLI::Validator* range = nullptr;
   try {
     range = const_cast<CLI::Option&>(opt).get_validator(kRangeValidator);

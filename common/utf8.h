@@ -8,6 +8,11 @@
 
 namespace ptk {
 
+// The UTF-8 byte order mark (U+FEFF) Windows tools put before a file's text. Every data stage reads
+// it as Python's utf-8-sig codec does: dropped where it starts a file, a character anywhere else
+// (before a record's JSON: a record Python's json.loads refuses, "Unexpected UTF-8 BOM").
+inline constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
 // True if `s` is well-formed UTF-8 (no surrogates, no overlongs, nothing above U+10FFFF).
 bool IsValidUtf8(std::string_view s);
 

@@ -96,12 +96,13 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
                    removed.front(), removed.size() > 1 ? fmt::format(" ... {}", removed.back()) : "");
   size_t files = 0;
   for (const auto& c : plan.chunks) files += c.inputs.size();
-  // --chunks 72 over 24 files makes 24 chunks (a chunk holds one file at least): array tasks past the
+  // --chunks 72 over 24 files makes 24 chunks (a chunk holds one non-empty file at least): array tasks past the
   // last chunk build nothing, and `run --chunk-index 30` is refused ("the plan ... has 24 chunk(s)"), so the
   // plan line says so.
   const bool fewer = r.plan.files_per_chunk == 0 && plan.chunks.size() < static_cast<size_t>(r.plan.chunks);
-  ptk::log::Info("plan: {} files -> {} chunks in {}{}; written to {}", files, plan.chunks.size(), plan.output_dir,
-                 fewer ? fmt::format(" (not --chunks {}: a chunk holds one file at least)", r.plan.chunks) : "", path);
+  ptk::log::Info(
+      "plan: {} files -> {} chunks in {}{}; written to {}", files, plan.chunks.size(), plan.output_dir,
+      fewer ? fmt::format(" (not --chunks {}: a chunk holds one non-empty file at least)", r.plan.chunks) : "", path);
   return plan;
 }
 

@@ -26,7 +26,8 @@ struct TokenizeFlags {
   std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap";
   std::string tokenizer_library = "megatron", files_filter;
   std::optional<std::string> tokenizer_model;
-  bool preproc_folder = false;
+  bool preproc_folder = false, legacy_tokenizer = false;
+  CLI::Option* tokenizer_type_opt = nullptr;
   ptk::CpuBudget cpus = ptk::ThisProcessCpuBudget();  // --workers' default
   int workers = cpus.cpus;
   CLI::Option* workers_opt = nullptr;
@@ -47,8 +48,9 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   // NeMo's launcher passes --tokenizer-model=None (its config's null) with the GPT-2 BPE tokenizer, which does
   // not read it: refused as a SentencePiece model, the launcher's line failed.
   app.add_option("--tokenizer-model", f->tokenizer_model,
-                 "NeMo: the tokenizer model; only None (no model, as NeMo's launcher passes it with GPT-2 BPE): "
-                 "SentencePiece/tiktoken models are not implemented");
+                 "Megatron/NeMo: a SentencePiece/tiktoken model, which GPT2BPETokenizer does not read: None (as "
+                 "NeMo's launcher passes it) is accepted, and a model with an explicit --tokenizer-type "
+                 "GPT2BPETokenizer ignored with a warning, as Megatron does; without one it is refused");
   app.add_flag("--preproc-folder", f->preproc_folder,
                "NeMo: --input is a directory; its files matching --files-filter (default **/*.json*) are inputs");
   app.add_option("--files-filter", f->files_filter,
@@ -56,7 +58,11 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   app.add_option("--output-prefix", f->opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")
       ->required();
   app.add_option("--json-keys", f->opt.json_keys, "Keys to extract from each JSON line; one dataset per key");
-  app.add_option("--tokenizer-type", f->tokenizer_type, "Tokenizer; only GPT2BPETokenizer is supported");
+  f->tokenizer_type_opt =
+      app.add_option("--tokenizer-type", f->tokenizer_type, "Tokenizer; only GPT2BPETokenizer is supported");
+  app.add_flag("--legacy-tokenizer", f->legacy_tokenizer,
+               "Megatron's legacy GPT2BPETokenizer (megatron/training/tokenizer): a literal <|endoftext|> in the text "
+               "is ordinary tokens there, as --endoftext-as-text gives");
   app.add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
   app.add_option("--merge-file", f->merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
   app.add_flag("--append-eod", f->opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
@@ -103,27 +109,56 @@ void RefuseUnimplemented(ptk::cli::Refusals& refused) {
   refused.Flag("--split-sentences", "NLTK sentence splitting is not implemented");
   refused.Flag("--keep-newlines", "it goes with --split-sentences (NLTK sentence splitting)");
   refused.Option("--lang", "it goes with --split-sentences (NLTK sentence splitting)");
-  refused.Option("--vocab-size", "the vocab file defines the size");
   refused.Flag("--apply-ftfy", "ftfy is a Python library; run it over the jsonl first, or drop the flag");
   refused.Flag("--need-pad-id", "it adds a pad token to the vocab (GPT-2 has none)");
   for (const char* retrieval :
        {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size", "--chunk_stride_size,--chunk-stride-size"})
     refused.Option(retrieval, "NeMo retrieval data is not implemented");
+  // Megatron's tokenizer flags that change what GPT2BPETokenizer writes.
+  refused.List("--tokenizer-special-tokens",
+               "Megatron's GPT2BPETokenizer adds them to GPT-2's vocabulary, each then one new id; ptk keeps GPT-2's");
+  refused.Option("--tokenizer-metadata",
+                 "it chooses the tokenizer's library and class from a JSON file; ptk implements GPT2BPETokenizer");
+}
+
+// Megatron's tokenizer flags (preprocess_data.py takes every tokenizer's) that do not change what its
+// GPT2BPETokenizer writes: accepted, as Megatron accepts them, and each noted when given.
+void IgnoreAsMegatronDoes(ptk::cli::IgnoredFlags& ignored) {
+  ignored.Option("--vocab-size", "the vocab file defines the size");
+  ignored.Option("--padded-vocab-size", "the model's padded vocabulary is training's, not preprocessing's");
+  ignored.Option("--vocab-extra-ids", "preprocess_data.py sets it to 0 (extra ids are BERT's and SentencePiece's)");
+  ignored.Flag("--tokenizer-hf-use-fast", "GPT-2's slow and fast Hugging Face tokenizers give the same ids");
+  ignored.Flag("--tokenizer-hf-include-special-tokens", "GPT-2's Hugging Face tokenizer adds no token around a text");
+  ignored.Flag("--trust-remote-code", "GPT-2's Hugging Face tokenizer runs no remote code");
+  ignored.Option("--tiktoken-pattern", "it goes with --tokenizer-type TikTokenizer");
+  ignored.Option("--tiktoken-num-special-tokens", "it goes with --tokenizer-type TikTokenizer");
+  ignored.List("--tiktoken-special-tokens", "it goes with --tokenizer-type TikTokenizer");
+  ignored.Flag("--tokenizer-sentencepiece-legacy", "it goes with the SentencePiece --tokenizer-types");
 }
 
 // The checks the option table cannot make, then TokenizeOptions completed from the flags.
-absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
+absl::Status CheckFlags(const ptk::cli::Refusals& refused, const ptk::cli::IgnoredFlags& ignored, TokenizeFlags& f) {
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return ptk::UsageError(
         fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", f.tokenizer_type));
   if (f.dataset_impl != "mmap")
     return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", f.dataset_impl));
   PTK_RETURN_IF_ERROR(refused.Check());
-  if (f.tokenizer_model && *f.tokenizer_model != "None")
-    return ptk::UsageError(fmt::format(
-        "--tokenizer-model {} is not supported: SentencePiece/tiktoken models are not implemented (GPT-2 BPE only, "
-        "which takes no model: drop the flag)",
-        *f.tokenizer_model));
+  // Megatron's GPT2BPETokenizer reads no model; but Megatron has no default --tokenizer-type, so a model
+  // without one is a SentencePiece/tiktoken run meant, which ptk's GPT-2 default would silently replace.
+  if (f.tokenizer_model && *f.tokenizer_model != "None") {
+    if (f.tokenizer_type_opt->count() == 0)
+      return ptk::UsageError(fmt::format(
+          "--tokenizer-model {} is not supported: SentencePiece/tiktoken models are not implemented (GPT-2 BPE "
+          "only, which takes no model: drop the flag)",
+          *f.tokenizer_model));
+    ptk::log::Warning(
+        "--tokenizer-model {}: ignored, as Megatron does with GPT2BPETokenizer: it reads no model (SentencePiece and "
+        "tiktoken models go with other --tokenizer-types, which ptk does not implement)",
+        *f.tokenizer_model);
+  }
+  ignored.Note();
+  if (f.legacy_tokenizer) f.opt.endoftext_as_text = true;  // the legacy tokenizer's one difference
   if (f.tokenizer_library != "megatron")
     return ptk::UsageError(fmt::format(
         "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
@@ -210,10 +245,12 @@ int main(int argc, char** argv) {
   AddOptions(*app, &f);
   ptk::cli::Refusals refused(*app);
   RefuseUnimplemented(refused);
+  ptk::cli::IgnoredFlags ignored(*app, "as Megatron does with GPT2BPETokenizer");
+  IgnoreAsMegatronDoes(ignored);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    PTK_RETURN_IF_ERROR(CheckFlags(refused, f));
+    PTK_RETURN_IF_ERROR(CheckFlags(refused, ignored, f));
     PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(f.vocab_file, f.merge_file));
     PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(f.opt, *tok));
     ReportStats(s, f.workers);

@@ -404,4 +404,32 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddMoreTrainFlags(app, f);
 }
 
+cli::UnknownFlagHints LauncherFlagHints() {
+  // What TrainingRanksFromEnv (common/slurm_env.h) reads: torchrun's variables, else srun's.
+  const std::string start =
+      "start the ranks with torchrun (torchrun --no-python --nproc-per-node N ptk-train ...) or srun";
+  cli::UnknownFlagHints hints = {
+      {"--rank",
+       "ptk-train, as Megatron, reads its rank from the launcher's environment: RANK with WORLD_SIZE "
+       "(torchrun sets both), or srun's SLURM_PROCID with SLURM_STEP_NUM_TASKS; " +
+           start},
+      {"--world-size",
+       "ptk-train, as Megatron, reads the number of ranks from the launcher's environment: "
+       "WORLD_SIZE with RANK (torchrun sets both), or srun's SLURM_STEP_NUM_TASKS; " +
+           start},
+  };
+  for (const char* flag : {"--master-addr", "--master-port"})
+    hints[flag] =
+        "torchrun's flag, not the program's: give it to torchrun before the program; ptk-train, as Megatron, reads "
+        "MASTER_ADDR and MASTER_PORT from the environment (torchrun sets them; under srun, the step's first node "
+        "and a port from SLURM_JOB_ID)";
+  for (const char* flag : {"--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",
+                           "--rdzv-id", "--rdzv-conf", "--standalone", "--max-restarts"})
+    hints[flag] =
+        "torchrun's flag, not the program's: give it to torchrun before the program (torchrun --no-python "
+        "--nproc-per-node 8 ptk-train ...), which starts each rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+        "MASTER_PORT set";
+  return hints;
+}
+
 }  // namespace ptk

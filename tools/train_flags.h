@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/statusor.h"
+#include "common/cli.h"
 #include "trainer/dry_run.h"
 #include "trainer/training.h"
 
@@ -87,6 +88,9 @@ struct TrainFlags {
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
 // where it is declared: a value out of range (or NaN, or not a number) is a usage error.
 void AddTrainFlags(CLI::App* app, TrainFlags* flags);
+// What ptk-train says of a launcher's flag given to it (--rank, --world-size, torchrun's --nproc-per-node,
+// ...): where it takes that from instead (cli::Parse's hints).
+cli::UnknownFlagHints LauncherFlagHints();
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

@@ -357,7 +357,7 @@ int main(int argc, char** argv) {
                                "Train Megatron's GPT on Megatron-format data (CUDA: fp32, bf16, fp16; CPU: fp32).");
   ptk::TrainFlags flags;
   ptk::AddTrainFlags(app.get(), &flags);
-  if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  if (auto rc = ptk::cli::Parse(*app, argc, argv, ptk::LauncherFlagHints())) return *rc;
   if (flags.dry_run) return ptk::cli::RunMain([&] { return ptk::PrintDryRun(*app, &flags); });
   if (flags.exit_signal_handler) InstallExitSignalHandlers();
   // gloo writes to the other ranks with writev: a rank that wrote to the socket of a rank that had

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <filesystem>
 #include <map>
@@ -26,6 +25,7 @@
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "dataprep/input/byte_source.h"
 #include "dataprep/input/input_list.h"
 
@@ -33,53 +33,6 @@ namespace ptk {
 namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
-
-absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index, int64_t count) {
-  std::string pat = pattern;
-  if (pat.empty()) {
-    int width = 2;
-    for (int64_t n = count - 1; n >= 100; n /= 10) ++width;
-    pat = fmt::format("train_{{:0{}d}}.jsonl", width);
-  }
-  // A width or precision in the thousands asks fmt for that many bytes: refuse before formatting.
-  for (size_t i = 0; i < pat.size(); ++i) {
-    if (pat[i] != '{') continue;
-    if (i + 1 < pat.size() && pat[i + 1] == '{') {
-      ++i;  // "{{" is a literal brace
-      continue;
-    }
-    size_t run = 0;
-    for (size_t j = i + 1; j < pat.size() && pat[j] != '}'; ++j) {
-      run = std::isdigit(static_cast<unsigned char>(pat[j])) ? run + 1 : 0;
-      if (run > 3)
-        return UsageError(
-            fmt::format("--name-pattern {:?}: a width or precision that large makes no file name", pattern));
-    }
-  }
-  try {
-    std::string name = fmt::format(fmt::runtime(pat), index);
-    if (name.size() > 255)
-      return UsageError(fmt::format("--name-pattern {:?} gives a name longer than 255 bytes", pattern));
-    if (name.empty() || name.find('/') != std::string::npos)
-      return UsageError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
-    // A chunk is plain jsonl: under a compression suffix ptk-tokenize refuses it (named .zst, not
-    // compressed), and under a hidden or ptk-owned name every directory walk leaves it out unsaid.
-    for (std::string_view suffix : kCompressionSuffixes)
-      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
-        return UsageError(fmt::format(
-            "--name-pattern {:?} gives {:?}: a chunk is plain jsonl, and ptk-tokenize refuses a file named {} "
-            "that is not compressed; name chunks .jsonl",
-            pattern, name, suffix));
-    if (name[0] == '.' || IsPtkOwnName(name))
-      return UsageError(fmt::format(
-          "--name-pattern {:?} gives {:?}, a {} name that every ptk directory walk leaves out; name chunks "
-          "like train_{{}}.jsonl",
-          pattern, name, name[0] == '.' ? "hidden" : "ptk bookkeeping (.ptk-done, .ptk-lock, .ptk-tmp-...)"));
-    return name;
-  } catch (const fmt::format_error& e) {
-    return UsageError(fmt::format("--name-pattern {:?}: {}", pattern, e.what()));
-  }
-}
 
 // `path` made absolute (against the current directory) with "." components and repeated slashes
 // dropped, so that two spellings of one path compare equal. ".." is kept: through a link it need
@@ -109,6 +62,20 @@ std::string ChunkDigest(const ConcatPlan& plan, const ConcatChunk& c) {
   return Sha256Hex(s);
 }
 
+// "in/a.jsonl is empty", "the 3 inputs in/a.jsonl, in/b.jsonl and in/c.jsonl are all empty" (the first
+// and last of more than four): inputs [first, end), for a message.
+std::string EmptyInputs(const std::vector<ConcatInput>& inputs, size_t first, size_t end) {
+  const size_t n = end - first;
+  if (n == 1) return fmt::format("{} is empty", inputs[first].path);
+  std::string names;
+  if (n > 4) {
+    names = fmt::format("{} ... {}", inputs[first].path, inputs[end - 1].path);
+  } else {
+    for (size_t i = first; i < end; ++i) names += (i == first ? "" : i + 1 == end ? " and " : ", ") + inputs[i].path;
+  }
+  return fmt::format("the {} inputs {} are all empty", n, names);
+}
+
 // A file listed twice would be concatenated twice: training data silently duplicated. The first
 // input the plan lists twice (however its path is spelled), as an error naming both places.
 absl::Status CheckEachInputOnce(const ConcatPlan& plan, std::string_view where) {
@@ -131,6 +98,10 @@ absl::Status CheckEachInputOnce(const ConcatPlan& plan, std::string_view where) 
 absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
                                           const ConcatPlanOptions& opt) {
   if (inputs.empty()) return absl::InvalidArgumentError("no input files to concatenate");
+  if (std::all_of(inputs.begin(), inputs.end(), [](const ConcatInput& in) { return in.size == 0; }))
+    return absl::FailedPreconditionError(
+        fmt::format("no data to concatenate: {} (0 bytes), and ptk-tokenize refuses an empty chunk",
+                    EmptyInputs(inputs, 0, inputs.size())));
   ConcatPlan plan;
   plan.output_dir = output_dir;
   const size_t n = inputs.size();
@@ -140,20 +111,26 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
       ranges.emplace_back(first, std::min(n, first + static_cast<size_t>(opt.files_per_chunk)));
   } else {
     if (opt.chunks < 1) return UsageError("--chunks must be >= 1");
-    const size_t nchunks = std::min<size_t>(static_cast<size_t>(opt.chunks), n);
+    // An empty input holds no record: a chunk of empty inputs only would be an empty file, which
+    // ptk-tokenize refuses. Each chunk holds one non-empty input at least; empty ones go with their neighbours.
+    std::vector<size_t> nonempty_from(n + 1, 0);  // non-empty inputs in [i, n)
+    for (size_t i = n; i-- > 0;) nonempty_from[i] = nonempty_from[i + 1] + (inputs[i].size > 0);
+    const size_t nchunks = std::min<size_t>(static_cast<size_t>(opt.chunks), nonempty_from[0]);
     long double total = 0;
     for (const auto& in : inputs) total += static_cast<long double>(in.size);
     std::vector<long double> before(n + 1, 0);
     for (size_t i = 0; i < n; ++i) before[i + 1] = before[i] + static_cast<long double>(inputs[i].size);
     size_t idx = 0;
     for (size_t k = 0; k < nchunks; ++k) {
-      const size_t first = idx++;
+      const size_t first = idx;
+      while (inputs[idx].size == 0) ++idx;  // there is a non-empty one left for this chunk and each after it
+      ++idx;
       const size_t left_after = nchunks - k - 1;  // chunks still to fill
       if (k + 1 == nchunks) {
         idx = n;
       } else {
         const long double target = total * static_cast<long double>(k + 1) / static_cast<long double>(nchunks);
-        while (idx < n && n - idx > left_after && before[idx] + inputs[idx].size / 2.0L < target) ++idx;
+        while (idx < n && nonempty_from[idx] > left_after && before[idx] + inputs[idx].size / 2.0L < target) ++idx;
       }
       ranges.emplace_back(first, idx);
     }
@@ -161,8 +138,8 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
   std::map<std::string, size_t> names;
   for (size_t k = 0; k < ranges.size(); ++k) {
     ConcatChunk c;
-    PTK_ASSIGN_OR_RETURN(c.name,
-                         ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
+    PTK_ASSIGN_OR_RETURN(c.name, concat_detail::ChunkName(opt.name_pattern, static_cast<int64_t>(k),
+                                                          static_cast<int64_t>(ranges.size())));
     auto [it, fresh] = names.emplace(c.name, k);
     if (!fresh)
       return UsageError(
@@ -172,6 +149,11 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
       c.inputs.push_back(inputs[i]);
       c.bytes += inputs[i].size;
     }
+    if (c.bytes == 0)  // --files-per-chunk: NeMo's grouping is kept, so a group of empty files is refused
+      return absl::FailedPreconditionError(fmt::format(
+          "chunk {} ({}) would be an empty file, which ptk-tokenize refuses: {} (0 bytes); remove the empty files "
+          "(--files-per-chunk then groups the files after them otherwise) or use --chunks",
+          k, c.name, EmptyInputs(inputs, ranges[k].first, ranges[k].second)));
     plan.chunks.push_back(std::move(c));
   }
   PTK_RETURN_IF_ERROR(CheckEachInputOnce(plan, "the inputs name"));
@@ -333,8 +315,6 @@ absl::Status CheckBuiltChunkInputs(const ConcatPlan& plan, size_t index) {
   return absl::OkStatus();
 }
 
-constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
-
 // One input's bytes (decoded when compressed) appended to the chunk, but a UTF-8 BOM at its start:
 // ptk-tokenize drops one at the start of a file, but inside a chunk it began a record, which was
 // then skipped as malformed JSON (Megatron's json.loads refuses it anywhere). Returns the last byte
@@ -418,6 +398,12 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     }
   }
   res.bytes = out->bytes_written();
+  // The plan gives no chunk of empty inputs only; compressed ones can still hold nothing (or a BOM).
+  if (res.bytes == 0)
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: chunk {} would be an empty file, which ptk-tokenize refuses: {} once decompressed (or hold only a "
+        "UTF-8 BOM); nothing written",
+        out_path, index, EmptyInputs(c.inputs, 0, c.inputs.size())));
   PTK_RETURN_IF_ERROR(out->Seal(durable));
   // Inputs are copied in the kernel (copy_file_range), so the checksum reads the finished file.
   PTK_ASSIGN_OR_RETURN(std::string sum, Xxh3FileHex(out->tmp_path()));

@@ -125,4 +125,10 @@ struct ConcatSummary {
 // (and logged) and the others still run.
 absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunOptions& options);
 
+namespace concat_detail {
+// Chunk `index` of `count`'s file name from --name-pattern (a {}-pattern of the index; "" for
+// train_{:02d}.jsonl, wider past 100 chunks); a UsageError for a name no later stage would read.
+absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index, int64_t count);
+}  // namespace concat_detail
+
 }  // namespace ptk

@@ -161,7 +161,7 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
         }
       const std::string_view record = line.substr(from, end - from);
       std::string_view json = record;
-      if (file_start && json.starts_with("\xEF\xBB\xBF")) json.remove_prefix(3);
+      if (file_start && json.starts_with(kUtf8Bom)) json.remove_prefix(kUtf8Bom.size());
       file_start = false;
       ++res->records;
       if (const int k = filter.Match(json); k >= 0) {

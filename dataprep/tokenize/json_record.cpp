@@ -27,6 +27,13 @@ RecordResult JsonRecordParser::Parse(std::string_view line, bool padded) {
   RecordResult r;
   for (auto& f : fields_) f.clear();
   storage_.clear();
+  // Python's json.loads refuses a str that starts with U+FEFF before it reads anything else (the reader
+  // drops the one that starts a file, as the utf-8-sig codec would).
+  if (line.starts_with(kUtf8Bom)) {
+    r.status = RecordStatus::kMalformed;
+    r.message = "Unexpected UTF-8 BOM";
+    return r;
+  }
   size_t i = 0;
   while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r' || line[i] == '\n')) ++i;
   if (i == line.size()) {

@@ -1,6 +1,9 @@
 // ptk-tokenize's parallel stage: a batch's JSON lines -> GPT-2 ids, Megatron's way.
 #include <cstring>
 
+#include <fmt/core.h>
+
+#include "common/utf8.h"
 #include "dataprep/tokenize/tokenize_stages.h"
 
 namespace ptk::tokenize_detail {
@@ -20,6 +23,16 @@ uint64_t CountChars(const char* p, size_t n) {
   }
   for (; i < n; ++i) cont += (static_cast<unsigned char>(p[i]) & 0xC0) == 0x80;
   return n - cont;
+}
+
+// Where a BOM that begins a record inside a file is, and how it likely got there: only the one that
+// starts the file is the encoding's (Python's utf-8-sig drops it); `cat` leaves one inside wherever it
+// joined files that each had theirs.
+std::string BomWhere(uint64_t offset) {
+  return fmt::format(
+      " at byte {}: only one that starts a file is dropped (files joined with their BOMs? ptk-concat drops each "
+      "input's)",
+      offset);
 }
 
 }  // namespace
@@ -58,6 +71,7 @@ void BatchEncoder::Encode(Batch& b) {
     b.status[i] = r.status;
     if (r.status != RecordStatus::kOk) {
       b.messages[i] = std::move(r.message);
+      if (line.starts_with(kUtf8Bom)) b.messages[i] += BomWhere(b.file_offset + ln.off);
       continue;
     }
     b.replaced[i] = (r.invalid_utf8 || r.lone_surrogates) ? 1 : 0;

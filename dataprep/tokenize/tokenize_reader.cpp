@@ -4,6 +4,7 @@
 
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "dataprep/tokenize/tokenize_stages.h"
 
 namespace ptk::tokenize_detail {
@@ -123,9 +124,9 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
     SplitLines(b.get(), end);
     if (at_file_start_ && !b->lines.empty()) {
       auto& l0 = b->lines[0];
-      if (l0.len >= 3 && std::memcmp(b->data.get() + l0.off, "\xEF\xBB\xBF", 3) == 0) {  // UTF-8 BOM
-        l0.off += 3;
-        l0.len -= 3;
+      if (std::string_view(b->data.get() + l0.off, l0.len).starts_with(kUtf8Bom)) {  // the file's, not its text
+        l0.off += kUtf8Bom.size();
+        l0.len -= kUtf8Bom.size();
       }
       at_file_start_ = false;
     }

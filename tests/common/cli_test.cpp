@@ -168,6 +168,59 @@ TEST(CliParse, AChoiceNearAnotherSuggestsIt) {
   EXPECT_NE(far.err.find("usage error: --format: json not in {ids,text,both}\n"), std::string::npos) << far.err;
 }
 
+// Regression: ptk-train --rank suggested --save, and --world-size --vocab-size: NearestNames gave a name one
+// edit past its limit when none was nearer, and four letters allowed two edits. Now a typo is within a
+// quarter of the name's letters (one at least; a swap of two is one edit), '_' is read as '-', and a
+// name that is part of one flag's (--layers) suggests that flag.
+TEST(CliParse, AnUnknownFlagSuggestsOnlyAFlagItIsNear) {
+  const std::vector<std::string> flags = {
+      "--save",        "--seed",       "--local-rank",         "--q-lora-rank", "--vocab-size",
+      "--hidden-size", "--num-layers", "--encoder-num-layers", "--seq-length",  "--num-attention-heads"};
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--rank", ""},
+      {"--world-size", ""},
+      {"--size", ""},
+      {"--heads", ""},
+      {"--svae", "--save"},
+      {"--sed", "--seed"},
+      {"--local_rank", "--local-rank"},
+      {"--Hidden_Size", "--hidden-size"},
+      {"--seq-lenght", "--seq-length"},
+      {"--layers", "--num-layers"},
+      {"--attention-heads", "--num-attention-heads"},
+  };
+  for (const auto& [name, want] : cases) EXPECT_EQ(cli::NearestFlagName(name, flags), want) << name;
+  EXPECT_EQ(cli::EditDistance("rank", "save"), 3u);
+  EXPECT_EQ(cli::EditDistance("svae", "save"), 1u);
+  EXPECT_EQ(cli::NearestNames("--rank", flags, 2), std::vector<size_t>{});
+  EXPECT_EQ(cli::NearestNames("--svae", flags, 1), std::vector<size_t>{0});
+}
+
+// A tool's hint for a flag it does not have (ptk-train's --rank: the launcher's environment) replaces
+// the suggestion, for the flag spelt with '_' or one dash too.
+TEST(CliParse, AnUnknownFlagWithAHintGetsTheHint) {
+  const cli::UnknownFlagHints hints = {{"--master-port", "MASTER_PORT is read from the environment"}};
+  for (const char* given : {"--master-port", "--master_port", "-master-port", "--master-port=29500"}) {
+    Flags f;
+    auto app = MakeTestApp(f);
+    std::vector<std::string> args = {"ptk-x", given, "29500"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    testing::internal::CaptureStderr();
+    const std::optional<int> rc = cli::Parse(*app, static_cast<int>(argv.size()), argv.data(), hints);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(rc, cli::kExitUsage) << given;
+    const std::string flag = std::string(given).substr(0, std::string(given).find('='));
+    EXPECT_NE(err.find("usage error: unknown flag " + flag + ": MASTER_PORT is read from the environment\n"),
+              std::string::npos)
+        << err;
+  }
+  Flags f;
+  auto app = MakeTestApp(f);
+  Parsed none = ParseCapturingStderr(*app, {"--master-port", "29500"});  // no hints: no guess either
+  EXPECT_NE(none.err.find("usage error: unknown flag --master-port\n"), std::string::npos) << none.err;
+}
+
 // Regression: bare words no flag takes (a file or a repo id given as huggingface-cli download and most Unix
 // tools take them) were "The following arguments were not expected: b a" (reversed, nothing to do), or only
 // "--input is required" when the input itself was the bare word. They are named in order, with the flag meant.

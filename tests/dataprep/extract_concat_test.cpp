@@ -825,6 +825,77 @@ TEST(Concat, AUtf8BomStartingAnInputIsNotCopiedIntoTheChunk) {
   EXPECT_EQ(t.exit_code, 0) << t.output;
 }
 
+// Regression: empty inputs only made empty chunks (exit 0), which ptk-tokenize then refused ("no
+// document in it (empty file)"); an empty input could make one beside others too (a chunk holds one
+// file at least, and it could be an empty one). No chunk is empty now: inputs that are all empty are an
+// error naming them, nothing written; empty inputs go with non-empty neighbours; NeMo's
+// --files-per-chunk grouping is kept, so a group of empty files only is refused; inputs that hold
+// nothing once decompressed (or a BOM only) fail their chunk, nothing published.
+TEST(Concat, NoChunkIsAnEmptyFile) {
+  TempDir dir;
+  const std::string concat = testing::Tool("ptk-concat") + " --quiet";
+  std::filesystem::create_directories(dir / "empty");
+  testing::WriteFile(dir / "empty/a.jsonl", "");
+  testing::WriteFile(dir / "empty/b.jsonl", "");
+  auto none = RunCmd(fmt::format("{} --input {} --output-dir {}", concat, dir / "empty", dir / "out0"));
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_NE(none.output.find(fmt::format("no data to concatenate: the 2 inputs {} and {} are all empty (0 bytes), and "
+                                         "ptk-tokenize refuses an empty chunk",
+                                         dir / "empty/a.jsonl", dir / "empty/b.jsonl")),
+            std::string::npos)
+      << none.output;
+  EXPECT_FALSE(testing::Exists(dir / "out0"));
+
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(20, 1), b = Jsonl(20, 2), c = Jsonl(20, 3);
+  const std::vector<std::pair<std::string, std::string>> files = {{"f1.jsonl", a},  {"f2.jsonl", b}, {"f3.jsonl", ""},
+                                                                  {"f4.jsonl", ""}, {"f5.jsonl", c}, {"f6.jsonl", ""}};
+  for (const auto& [name, data] : files) testing::WriteFile(dir / ("in/" + name), data);
+  for (const int chunks : {3, 4, 72}) {
+    const std::string out = dir / fmt::format("out{}", chunks);
+    auto r = RunCmd(
+        fmt::format("{} --input {} --output-dir {} --chunks {}", testing::Tool("ptk-concat"), dir / "in", out, chunks));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("plan: 6 files -> 3 chunks in {}{}", out,
+                                        chunks == 3 ? ";"
+                                                    : fmt::format(" (not --chunks {}: a chunk holds one "
+                                                                  "non-empty file at least)",
+                                                                  chunks))),
+              std::string::npos)
+        << r.output;
+    std::string all;
+    for (int k = 0; k < 3; ++k) {
+      const std::string chunk = testing::ReadFile(out + fmt::format("/train_{:02d}.jsonl", k));
+      EXPECT_FALSE(chunk.empty()) << chunks << " " << k;
+      all += chunk;
+    }
+    EXPECT_EQ(all, a + b + c);
+    EXPECT_FALSE(testing::Exists(out + "/train_03.jsonl"));
+  }
+  auto grouped =
+      RunCmd(fmt::format("{} --input {} --output-dir {} --files-per-chunk 2", concat, dir / "in", dir / "g"));
+  EXPECT_EQ(grouped.exit_code, 1) << grouped.output;
+  EXPECT_NE(grouped.output.find(fmt::format("chunk 1 (train_01.jsonl) would be an empty file, which ptk-tokenize "
+                                            "refuses: the 2 inputs {} and {} are all empty (0 bytes)",
+                                            dir / "in/f3.jsonl", dir / "in/f4.jsonl")),
+            std::string::npos)
+      << grouped.output;
+  EXPECT_FALSE(testing::Exists(dir / "g/concat-plan.json"));
+
+  std::filesystem::create_directories(dir / "hollow");
+  testing::WriteFile(dir / "hollow/z.jsonl.zst", testing::ZstdCompress(""));
+  testing::WriteFile(dir / "hollow/bom.jsonl", "\xEF\xBB\xBF");
+  auto hollow = RunCmd(fmt::format("{} --input {} --output-dir {}", concat, dir / "hollow", dir / "h"));
+  EXPECT_EQ(hollow.exit_code, 1) << hollow.output;
+  EXPECT_NE(hollow.output.find(fmt::format("{}: chunk 1 would be an empty file, which ptk-tokenize refuses: {} is "
+                                           "empty once decompressed",
+                                           dir / "h/train_01.jsonl", dir / "hollow/z.jsonl.zst")),
+            std::string::npos)
+      << hollow.output;
+  EXPECT_FALSE(testing::Exists(dir / "h/train_00.jsonl"));
+  EXPECT_FALSE(testing::Exists(dir / "h/train_01.jsonl"));
+}
+
 // An input that changed after its chunk was built: the rerun said "already complete", exit 0, and kept
 // the chunk built from the old bytes, while a chunk not yet built refused the same change. Both refuse
 // now, naming the input and both sizes; an input removed after its chunk was built changes nothing.
@@ -950,7 +1021,7 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
                                 dir / "in", dir / "few"));
   ASSERT_EQ(few.exit_code, 0) << few.output;
   EXPECT_NE(few.output.find("plan: 12 files -> 12 chunks in " + (dir / "few") +
-                            " (not --chunks 72: a chunk holds one file at least)"),
+                            " (not --chunks 72: a chunk holds one non-empty file at least)"),
             std::string::npos)
       << few.output;
   for (int k = 3; k >= 0; --k) {  // any order, as array tasks run

@@ -149,6 +149,41 @@ TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
   EXPECT_EQ(docs[0], docs[1]);
 }
 
+// A UTF-8 BOM is read as Python's utf-8-sig codec reads it: dropped where it starts the file, and
+// anywhere else a character, which before a record's JSON makes the record one json.loads refuses.
+// Regression: such a record (a file joined with cat from files that each had a BOM) was skipped as
+// "Expecting value at column 1", which named neither the BOM nor where it was.
+TEST(TokenizeErrors, ABomInsideAFileIsABadRecordNamingItsByte) {
+  TempDir dir;
+  const std::string bom = "\xEF\xBB\xBF";
+  const std::string a = "{\"text\": \"Hello world\"}\n";  // 24 bytes
+  testing::WriteFile(dir / "in.jsonl", bom + a + a + bom + a + a);
+  testing::WriteFile(dir / "in.jsonl.zst", testing::ZstdCompress(bom + a + a + bom + a + a));
+  for (const char* in : {"in.jsonl", "in.jsonl.zst"}) {
+    const std::string want = fmt::format(
+        "{}:3: skipped bad record (malformed JSON): Unexpected UTF-8 BOM at byte 51: only one that starts a file is "
+        "dropped (files joined with their BOMs? ptk-concat drops each input's)",
+        dir / in);
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1", dir / in, dir / "out")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+    EXPECT_EQ(Docs(dir / "out_text_document").size(), 3u);
+    auto strict = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / in, dir / "strict")));
+    EXPECT_EQ(strict.exit_code, 1) << strict.output;
+    EXPECT_NE(
+        strict.output.find(fmt::format("{}:3: bad record (malformed JSON): Unexpected UTF-8 BOM at byte 51", dir / in)),
+        std::string::npos)
+        << strict.output;
+  }
+  // Two BOMs at the start: the second is the text's (utf-8-sig drops one).
+  testing::WriteFile(dir / "two.jsonl", bom + bom + a + a);
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / "two.jsonl", dir / "two")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("two.jsonl:1: bad record (malformed JSON): Unexpected UTF-8 BOM at byte 3:"),
+            std::string::npos)
+      << r.output;
+}
+
 // Regression: Megatron reads with Python's universal newlines, where a bare "\r" ends a
 // line too: 5 documents there, 3 in ptk before.
 TEST(TokenizeErrors, BareCarriageReturnEndsALineAsInPython) {
@@ -355,6 +390,54 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find(dir / "in.jsonl is not a directory"), std::string::npos) << baddir.output;
 }
 
+// Megatron's preprocess_data.py takes every tokenizer's flags and its GPT2BPETokenizer reads few.
+// Regression: --vocab-size was refused and the others were unknown flags, where Megatron runs the line
+// and writes what it writes without them. Now each is accepted with a warning and changes no byte;
+// those that change Megatron's output are refused with the reason, and --legacy-tokenizer (<|endoftext|>
+// in the text as ordinary tokens) is --endoftext-as-text.
+TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world <|endoftext|> again\"}\n");
+  const std::string base = fmt::format("--input {} --append-eod --tokenizer-type GPT2BPETokenizer", dir / "in.jsonl");
+  auto plain = RunCmd(Tok(fmt::format("{} --output-prefix {}", base, dir / "plain")));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::string want = testing::ReadFile(dir / "plain_text_document.bin");
+  const std::vector<std::pair<std::string, std::string>> ignored = {
+      {"--vocab-size 50257", "--vocab-size 50257: ignored, as Megatron does with GPT2BPETokenizer: the vocab file"},
+      {"--padded-vocab-size=50304", "--padded-vocab-size 50304: ignored"},
+      {"--vocab-extra-ids 100", "--vocab-extra-ids 100: ignored"},
+      {"--tokenizer-hf-use-fast", "--tokenizer-hf-use-fast: ignored"},
+      {"--tokenizer-hf-include-special-tokens", "--tokenizer-hf-include-special-tokens: ignored"},
+      {"--trust-remote-code", "--trust-remote-code: ignored"},
+      {"--tiktoken-pattern v2", "--tiktoken-pattern v2: ignored"},
+      {"--tiktoken-num-special-tokens 1000", "--tiktoken-num-special-tokens 1000: ignored"},
+      {"--tiktoken-special-tokens '<unk>' '<s>'", "--tiktoken-special-tokens <unk> <s>: ignored"},
+      {"--tokenizer-sentencepiece-legacy", "--tokenizer-sentencepiece-legacy: ignored"},
+      {"--tokenizer-model m.model", "--tokenizer-model m.model: ignored, as Megatron does with GPT2BPETokenizer"},
+  };
+  int i = 0;
+  for (const auto& [flags, note] : ignored) {
+    const std::string prefix = dir / fmt::format("i{}", i++);
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, prefix)));
+    ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_EQ(testing::ReadFile(prefix + "_text_document.bin"), want) << flags;
+  }
+  for (const char* refused : {"--tokenizer-special-tokens '<a>' '<b>'", "--tokenizer-metadata meta.json"}) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, refused, dir / "r")));
+    EXPECT_EQ(r.exit_code, 2) << refused << "\n" << r.output;
+    EXPECT_NE(r.output.find(std::string(refused).substr(0, std::string(refused).find(' ')) + " is not supported: "),
+              std::string::npos)
+        << r.output;
+  }
+  auto legacy = RunCmd(Tok(fmt::format("{} --legacy-tokenizer --output-prefix {}", base, dir / "legacy")));
+  auto as_text = RunCmd(Tok(fmt::format("{} --endoftext-as-text --output-prefix {}", base, dir / "as_text")));
+  ASSERT_EQ(legacy.exit_code, 0) << legacy.output;
+  ASSERT_EQ(as_text.exit_code, 0) << as_text.output;
+  EXPECT_EQ(testing::ReadFile(dir / "legacy_text_document.bin"), testing::ReadFile(dir / "as_text_text_document.bin"));
+  EXPECT_NE(testing::ReadFile(dir / "legacy_text_document.bin"), want);
+}
+
 // Argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
 // (prefixes of --vocab-file and --merge-file); --flag=value works; a typo gets the closest flag; an
 // ambiguous prefix lists the candidates.
@@ -374,7 +457,8 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
   EXPECT_EQ(testing::ReadFile(dir / "e_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
   // Regression: NeMo's launcher (the Azure tutorial's preprocess stage, seed-pipelines.md 2.6) forwards
   // --tokenizer-model=None with its GPT-2 BPE tokenizer, which reads no model; it was refused as a SentencePiece
-  // model. Its line (less --apply-ftfy, refused with the reason) runs, and a real model is still refused.
+  // model. Its line (less --apply-ftfy, refused with the reason) runs, and a real model without a
+  // --tokenizer-type is still refused (Megatron has no default type: a SentencePiece/tiktoken run meant).
   auto nemo =
       RunCmd(Tok(fmt::format("--input={} --output-prefix={} --dataset-impl=mmap --tokenizer-library=megatron "
                              "--tokenizer-type=GPT2BPETokenizer --vocab={} --merge-file={} --append-eod "
@@ -1400,6 +1484,12 @@ TEST(TokenizeErrors, HundredMegabyteDocument) {
 // The record parser alone: Python json.loads semantics on what simdjson rejects.
 TEST(JsonRecordParser, PythonCompatibleSlowPath) {
   JsonRecordParser p({"text"});
+  // json.loads('\ufeff{"text": "a"}') and json.loads('\ufeff'): "Unexpected UTF-8 BOM", whatever follows.
+  for (const char* bom_line : {"\xEF\xBB\xBF{\"text\": \"a\"}", "\xEF\xBB\xBF", "\xEF\xBB\xBF  "}) {
+    auto r = p.Parse(bom_line, false);
+    EXPECT_EQ(r.status, RecordStatus::kMalformed) << bom_line;
+    EXPECT_EQ(r.message, "Unexpected UTF-8 BOM") << bom_line;
+  }
   auto parse = [&](const std::string& s) { return p.Parse(s, false); };
   EXPECT_EQ(parse("{\"text\": \"a\", \"n\": NaN, \"i\": -Infinity}").status, RecordStatus::kOk);
   EXPECT_EQ(parse("{\"text\": \"a\", \"big\": 123456789012345678901234567890}").status, RecordStatus::kOk);

@@ -1315,6 +1315,29 @@ TEST_F(TrainCli, NewcomerMistakesAreNamed) {
   auto lr = RunCmd(Train("-lr 1e-3", 2));
   EXPECT_EQ(lr.exit_code, 2) << lr.output;
   EXPECT_NE(lr.output.find("unknown flag -lr; did you mean --lr?"), std::string::npos) << lr.output;
+  // Regression: --rank suggested --save, --world-size --vocab-size, --node-rank --local-rank. A
+  // launcher's flag says where ptk-train takes it from.
+  const std::vector<std::pair<std::string, std::string>> launcher = {
+      {"--rank 1",
+       "unknown flag --rank: ptk-train, as Megatron, reads its rank from the launcher's environment: "
+       "RANK with WORLD_SIZE (torchrun sets both), or srun's SLURM_PROCID with SLURM_STEP_NUM_TASKS"},
+      {"--world-size 2",
+       "unknown flag --world-size: ptk-train, as Megatron, reads the number of ranks from the "
+       "launcher's environment: WORLD_SIZE with RANK"},
+      {"--master_addr node1",
+       "unknown flag --master_addr: torchrun's flag, not the program's: give it to torchrun "
+       "before the program; ptk-train, as Megatron, reads MASTER_ADDR and MASTER_PORT"},
+      {"--nproc-per-node 8",
+       "unknown flag --nproc-per-node: torchrun's flag, not the program's: give it to torchrun "
+       "before the program (torchrun --no-python --nproc-per-node 8 ptk-train ...)"},
+      {"--node-rank 0", "unknown flag --node-rank: torchrun's flag"},
+  };
+  for (const auto& [flag, want] : launcher) {
+    auto r = RunCmd(Train(flag, 2));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("did you mean"), std::string::npos) << r.output;
+  }
 }
 
 // PTK_TRAIN_INCOMPLETE_EXIT (k8s/train.sh's): a run that stopped before its last iteration exits with
