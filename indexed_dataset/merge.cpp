@@ -160,18 +160,28 @@ std::optional<FileKey> IdxKey(const std::string& prefix) {
   return FileKey{id->dev, id->ino};
 }
 
-// Every dataset that `prefix`, a merge, holds, at any depth (a merge of a merge of a merge), by its
-// .idx's identity, with the merge that listed it: its inputs, followed, and what it recorded they held
-// (which a merge deleted since can no longer say).
-void CollectHeld(const std::string& prefix, std::map<FileKey, std::pair<std::string, std::string>>* held) {
+// A dataset a merge holds: its .idx's identity, its name, and the merge that listed it.
+struct HeldDataset {
+  FileKey key;
+  std::string name;
+  std::string via;
+};
+
+// Every dataset that `prefix`, a merge, holds, at any depth (a merge of a merge of a merge), each once,
+// in the order the merges recorded them (not by identity: which dataset an error names must not depend
+// on the inodes the filesystem gave): its inputs, followed, and what it recorded they held (which a
+// merge deleted since can no longer say).
+void CollectHeld(const std::string& prefix, std::set<FileKey>* seen, std::vector<HeldDataset>* held) {
   const MergeRecord record = RecordedMerge(prefix);
   for (const std::string& in : record.inputs) {
     const std::optional<FileKey> key = IdxKey(in);
-    if (!key || !held->emplace(*key, std::make_pair(in, prefix)).second) continue;
-    CollectHeld(in, held);  // each dataset followed once: a cycle of sidecars ends
+    if (!key || !seen->insert(*key).second) continue;
+    held->push_back({*key, in, prefix});
+    CollectHeld(in, seen, held);  // each dataset followed once: a cycle of sidecars ends
   }
   for (const std::string& in : record.held)
-    if (const std::optional<FileKey> key = IdxKey(in)) held->emplace(*key, std::make_pair(in, prefix));
+    if (const std::optional<FileKey> key = IdxKey(in); key && seen->insert(*key).second)
+      held->push_back({*key, in, prefix});
 }
 
 }  // namespace
@@ -183,20 +193,21 @@ absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
   // Which input holds each dataset (itself, or inside it): one held by two inputs would go in twice.
   std::map<FileKey, std::string> holder = by_id;
   for (const auto& in : inputs) {
-    std::map<FileKey, std::pair<std::string, std::string>> held;  // dataset -> (its name, the merge listing it)
-    CollectHeld(in, &held);
-    for (const auto& [key, named] : held) {
-      auto [it, fresh] = holder.emplace(key, in);
+    std::set<FileKey> seen;
+    std::vector<HeldDataset> held;
+    CollectHeld(in, &seen, &held);
+    for (const HeldDataset& named : held) {
+      auto [it, fresh] = holder.emplace(named.key, in);
       if (fresh || it->second == in) continue;
-      const std::string via = named.second == in ? "" : fmt::format(" (through {})", named.second);
-      if (by_id.count(key))
+      const std::string via = named.via == in ? "" : fmt::format(" (through {})", named.via);
+      if (by_id.count(named.key))
         return absl::FailedPreconditionError(
             fmt::format("{} is a merge of {}{}, which is also an input: merging both would put its documents in "
                         "twice; give one of them",
                         in, it->second, via));
       return absl::FailedPreconditionError(
           fmt::format("{} and {} both hold {}{}: merging both would put its documents in twice; give one of them",
-                      it->second, in, named.first, via));
+                      it->second, in, named.name, via));
     }
   }
   return absl::OkStatus();

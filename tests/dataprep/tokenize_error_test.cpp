@@ -1108,6 +1108,28 @@ TEST(TokenizeErrors, AMergeOfInputsIsNotMergedAgainBesideThem) {
   EXPECT_EQ(testing::ReadFile(dir / "copy.bin"), testing::ReadFile(dir / "parts/m.bin"));
 }
 
+// The input a merge is named against is the first its record lists, not the one whose .idx has the
+// lowest inode: p2 made before p1 (so, on most filesystems, the lower inode) named p2, so that the
+// message changed with the order files were made (AMergeOfInputsIsNotMergedAgainBesideThem flaked).
+TEST(TokenizeErrors, AMergeIsNamedAgainstItsFirstRecordedInput) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "parts");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  for (const char* p : {"p2", "p1"})
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
+            .exit_code,
+        0);
+  const std::string merge = testing::Tool("ptk-merge");
+  ASSERT_EQ(RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "parts/m").exit_code, 0);
+  for (int i = 0; i < 3; ++i) {  // the same answer every time
+    auto all = RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "all");
+    EXPECT_EQ(all.exit_code, 1) << all.output;
+    EXPECT_NE(all.output.find(dir / "parts/m is a merge of " + dir / "parts/p1_text_document,"), std::string::npos)
+        << all.output;
+  }
+}
+
 // A rerun with the same inputs spelled otherwise (a.jsonl, ./a.jsonl, its absolute name, from another
 // directory) tokenized and merged again: the fingerprint held the names as typed. Now up to date, and a
 // changed input is still seen.
