@@ -133,8 +133,8 @@ def run(bin_dir, micro, iters, stages):
     for p, (o, e) in zip(procs, outs):
         if p.returncode != 0:
             sys.exit(f"bench_pipeline_bubble: a rank of P={stages} failed:\n{o[-1000:]}{e[-2000:]}")
-    t, losses = parse(outs[0][0])
-    # The timer block is the last rank's (Megatron's timers.log).
+    # The log lines and the timer blocks are the last rank's (Megatron's print_rank_last and timers.log).
+    t, losses = parse(outs[-1][0])
     return t, losses, parse_timers(outs[-1][0], stages) if stages > 1 else parse_one_rank_timers(outs[0][0])
 
 

@@ -72,7 +72,7 @@ def two_ranks(bin_dir, m, iters):
     for p, (o, e) in zip(procs, outs):
         if p.returncode != 0:
             sys.exit(f"bench_tensor_parallel: a T=2 rank failed:\n{o[-1000:]}{e[-2000:]}")
-    return parse(outs[0][0])
+    return parse(outs[-1][0])  # the log lines are the last rank's (Megatron's print_rank_last)
 
 
 def main():

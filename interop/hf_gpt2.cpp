@@ -527,7 +527,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
     log::Info("convert: {} tensors read ({}) in {}; writing {} ({}) ...", progress.items(),
               HumanBytes(static_cast<double>(progress.bytes())), HumanDuration(progress.ElapsedSeconds()),
               CheckpointFile(o.save_dir, o.iteration), HumanBytes(static_cast<double>(bytes)));
-  PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
+  {
+    ProgressReporter writing({.label = "convert", .item_unit = "files", .enabled = o.progress});
+    PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json, &writing));
+  }
   save_dir.Keep();
   s.destination = CheckpointFile(o.save_dir, o.iteration);
   s.notes.push_back(fmt::format("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero{}",

@@ -80,13 +80,13 @@ absl::StatusOr<std::string> TrackedIterationDir(const std::string& load_dir, Con
   return iter_dir;
 }
 
-// The shards present (mp_rank_TT or mp_rank_TT_PPP, each with model_optim_rng.pt), opened:
-// files[t][p].
+// The shards present (mp_rank_TT or mp_rank_TT_PPP, each with model_optim_rng.pt), opened (each file's
+// archive directory and pickle read; `progress`: counted, shards of the total): files[t][p].
 struct Shards {
   int64_t tp = 0, pp = 0;
   std::vector<std::vector<RankFile>> files;
 };
-absl::StatusOr<Shards> OpenShards(const std::string& iter_dir) {
+absl::StatusOr<Shards> OpenShards(const std::string& iter_dir, bool progress) {
   Shards sh;
   bool with_pp = false;
   std::error_code ec;
@@ -104,6 +104,10 @@ absl::StatusOr<Shards> OpenShards(const std::string& iter_dir) {
   if (sh.tp == 0) return absl::NotFoundError(fmt::format("{}: no mp_rank_* directory", iter_dir));
   if (!with_pp) sh.pp = 1;
   sh.files.resize(static_cast<size_t>(sh.tp));
+  ProgressReporter opened({.label = "convert",
+                           .item_unit = "shards",
+                           .items_total = static_cast<uint64_t>(sh.tp * sh.pp),
+                           .enabled = progress});
   for (int64_t t = 0; t < sh.tp; ++t)
     for (int64_t p = 0; p < sh.pp; ++p) {
       const std::string f = JoinPath(JoinPath(iter_dir, RankDir(t, p, with_pp ? sh.pp : 1)), kFile);
@@ -114,6 +118,8 @@ absl::StatusOr<Shards> OpenShards(const std::string& iter_dir) {
       RankFile rf;
       PTK_ASSIGN_OR_RETURN(rf.reader, torchfmt::TorchArchiveReader::Open(f));
       sh.files[static_cast<size_t>(t)].push_back(std::move(rf));
+      opened.AddItems(1);
+      opened.Refresh();  // on a terminal the line says each shard as it is opened
     }
   return sh;
 }
@@ -446,7 +452,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   // Megatron's torch_dist format (PyTorch's distributed checkpoint): .metadata beside the .distcp files.
   if (PathExists(JoinPath(iter_dir, ".metadata")) || PathExists(JoinPath(iter_dir, "common.pt")))
     return ImportFromMegatronDist(o, iter_dir, s.iteration, s.release);
-  PTK_ASSIGN_OR_RETURN(Shards sh, OpenShards(iter_dir));
+  PTK_ASSIGN_OR_RETURN(Shards sh, OpenShards(iter_dir, o.progress));
   RankFile& first = sh.files[0][0];
   s.source = first.reader->path();
   const PyValue& root = first.reader->root();

@@ -13,6 +13,7 @@
 #include "common/file_paths.h"
 #include "common/human_format.h"
 #include "common/logging.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "trainer/training_log.h"
 
@@ -461,12 +462,15 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, s->iteration, /*with_moments=*/true));
   const std::vector<float> zero(s->release ? weights.size() : 0, 0.0f);  // a release's moments: none loaded
-  // The weights and two moments, written, checksummed and synced: minutes for a large model.
+  // The weights and two moments, written, checksummed and synced: minutes for a large model, counted.
   if (const uint64_t bytes = 3 * weights.size() * sizeof(float); o.progress && bytes >= kConvertLongStepBytes)
     log::Info("convert: writing {} ({}) ...", CheckpointFile(o.save_dir, s->iteration),
               HumanBytes(static_cast<double>(bytes)));
-  PTK_RETURN_IF_ERROR(
-      SaveCheckpoint(o.save_dir, layout, weights, s->release ? zero : m1, s->release ? zero : m2, state, o.args_json));
+  {
+    ProgressReporter writing({.label = "convert", .item_unit = "files", .enabled = o.progress});
+    PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, weights, s->release ? zero : m1, s->release ? zero : m2,
+                                       state, o.args_json, &writing));
+  }
   save_dir.Keep();
   s->destination = CheckpointFile(o.save_dir, s->iteration);
   s->num_params = layout.num_params;

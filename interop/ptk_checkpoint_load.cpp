@@ -14,6 +14,7 @@
 #include "common/human_format.h"
 #include "common/json_keys.h"
 #include "common/logging.h"
+#include "common/progress.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "interop/hf_gpt2.h"
@@ -137,10 +138,14 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  // The weights and AdamW's moments, checksummed whole: minutes for a large model.
+  // The weights and AdamW's moments, checksummed whole: minutes for a large model, counted (files and bytes read).
   if (auto size = FileSize(out.file); progress && size.ok() && *size >= kConvertLongStepBytes)
     log::Info("convert: reading and verifying {} ({}) ...", out.file, HumanBytes(static_cast<double>(*size)));
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &out.m1, &out.m2, &out.state));
+  {
+    ProgressReporter reading({.label = "convert", .item_unit = "files", .enabled = progress});
+    PTK_RETURN_IF_ERROR(
+        LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &out.m1, &out.m2, &out.state, &reading));
+  }
   if (!with_optimizer) {
     std::vector<float>().swap(out.m1);
     std::vector<float>().swap(out.m2);

@@ -124,8 +124,20 @@ fi
 if [ -f "$RESULTS_DIR/jobs.txt" ] && command -v scontrol >/dev/null; then
   echo "jobs (last submission, $(date -r "$RESULTS_DIR/jobs.txt" '+%F %T')):"
   root=""
+  err=$(mktemp)
+  trap 'rm -f "$err"' EXIT
   while read -r stage id; do
-    recs=$(scontrol show job -o "$id" 2>/dev/null)
+    if ! recs=$(scontrol show job -o "$id" 2>"$err"); then
+      # slurmctld's answer for a job it no longer knows; any other failure is no answer at all (a
+      # controller that is down costs each call its MessageTimeout of retries: asked once, not per job).
+      if ! grep -q "Invalid job id" "$err"; then
+        msg=$(head -n 1 "$err")
+        echo "  no job states: the Slurm controller does not answer (scontrol: ${msg:-failed without a message});" \
+             "the stages above are judged from their outputs"
+        break
+      fi
+      recs=""
+    fi
     if [ -z "$recs" ]; then
       printf '  %-12s job %-8s finished (no longer known to slurmctld)\n' "$stage" "$id"
       continue

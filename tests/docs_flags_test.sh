@@ -15,7 +15,7 @@ W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 # ptk-* words that are not tools: outputs' marker, lock and temporary names, directories, pods, a flag.
 NOT_TOOLS="ptk-done ptk-lock ptk-pyref ptk-tmp ptk-stage ptk-resume ptk-publish ptk-old ptk-extracting
-  ptk-train-master ptk-train-0 ptk-profile-ops ptk-ckpt"
+  ptk-train-master ptk-train-worker ptk-train-0 ptk-profile-ops ptk-ckpt"
 
 check() {  # check ROOT: README.md and docs/*.md under ROOT
   python3 - "$BIN" "$SRC" "$1" "$NOT_TOOLS" <<'PY'

@@ -23,6 +23,7 @@
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "trainer/checkpoint_header.h"
 
@@ -108,8 +109,9 @@ absl::Status RemoveAllOrError(const std::string& path) {
 
 // The checkpoint file: magic, header length, header, then each array's bytes, then the hex
 // SHA-256 of everything before it. Committed (fsynced, renamed) inside the temporary directory.
+// `progress` (may be null) counts the arrays' bytes as they are written, and the file once committed.
 absl::Status WriteCheckpointFile(const std::string& file, const std::string& header,
-                                 std::initializer_list<std::span<const float>> arrays) {
+                                 std::initializer_list<std::span<const float>> arrays, ProgressReporter* progress) {
   PTK_RETURN_IF_ERROR(Step("write checkpoint file"));
   PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(file));
   Sha256 sha;
@@ -121,10 +123,26 @@ absl::Status WriteCheckpointFile(const std::string& file, const std::string& hea
   PTK_RETURN_IF_ERROR(put(kMagic, sizeof kMagic));
   PTK_RETURN_IF_ERROR(put(&len, sizeof len));
   PTK_RETURN_IF_ERROR(put(header.data(), header.size()));
-  for (std::span<const float> a : arrays) PTK_RETURN_IF_ERROR(put(a.data(), a.size_bytes()));
+  constexpr size_t kPiece = 64 << 20;  // a large model's arrays are GBs: counted as they go
+  for (std::span<const float> a : arrays) {
+    const auto* bytes = reinterpret_cast<const char*>(a.data());
+    for (size_t at = 0; at < a.size_bytes(); at += kPiece) {
+      const size_t n = std::min(kPiece, a.size_bytes() - at);
+      PTK_RETURN_IF_ERROR(put(bytes + at, n));
+      if (progress != nullptr) {
+        progress->AddBytes(n);
+        progress->Refresh();
+      }
+    }
+  }
   PTK_RETURN_IF_ERROR(w->Write(sha.HexDigest()));
   PTK_RETURN_IF_ERROR(Step("fsync checkpoint file"));
-  return w->Commit();
+  PTK_RETURN_IF_ERROR(w->Commit());
+  if (progress != nullptr) {
+    progress->AddItems(1);
+    progress->Refresh();
+  }
+  return absl::OkStatus();
 }
 
 // Moves the complete temporary directory of an iteration into place. An existing directory of
@@ -239,13 +257,13 @@ absl::Status NameKilledFirstSave(const std::string& save) {
 
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
-                            const std::string& args_json) {
+                            const std::string& args_json, ProgressReporter* progress) {
   const CheckpointShard shard{&layout, params, exp_avg, exp_avg_sq};
-  return SaveCheckpoint(save, std::span<const CheckpointShard>(&shard, 1), state, args_json);
+  return SaveCheckpoint(save, std::span<const CheckpointShard>(&shard, 1), state, args_json, progress);
 }
 
 absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointShard> shards, const TrainState& state,
-                            const std::string& args_json) {
+                            const std::string& args_json, ProgressReporter* progress) {
   PTK_RETURN_IF_ERROR(MakeDirs(save));
   const std::string final_dir = CheckpointDir(save, state.iteration);
   const std::string tmp_dir = fmt::format("{}{}{}", final_dir, kTmpTag, ::getpid());
@@ -266,6 +284,12 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
       return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layouts");
     rank_dirs.push_back(MpRankDir(t, p, pipeline_size));
     if (t == 0) stage_layers.push_back(static_cast<int64_t>(sh.layout->layers.size()));
+  }
+  if (progress != nullptr) {
+    uint64_t bytes = 0;
+    for (const CheckpointShard& sh : shards)
+      bytes += sh.params.size_bytes() + sh.exp_avg.size_bytes() + sh.exp_avg_sq.size_bytes();
+    progress->SetTotals(shards.size(), bytes);
   }
   auto header = [&](const ParamLayout& layout) {
     JsonWriter w;
@@ -338,7 +362,8 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
       const std::string file =
           JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank, sh.layout->pipeline_rank, pipeline_size));
       PTK_RETURN_IF_ERROR(MakeDirs(Dirname(file)));
-      PTK_RETURN_IF_ERROR(WriteCheckpointFile(file, header(*sh.layout), {sh.params, sh.exp_avg, sh.exp_avg_sq}));
+      PTK_RETURN_IF_ERROR(
+          WriteCheckpointFile(file, header(*sh.layout), {sh.params, sh.exp_avg, sh.exp_avg_sq}, progress));
     }
     PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir, rank_dirs));
     return WriteTracker(save, state.iteration);
@@ -454,7 +479,7 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_
 
 absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                            TrainState* state) {
+                            TrainState* state, ProgressReporter* progress) {
   PTK_ASSIGN_OR_RETURN(const std::string dir, ResolveCheckpointDir(load, iteration));
   PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(FirstRankFile(dir)));
   // This rank's own file when it was saved with this rank's slices and layers; else put together.
@@ -462,10 +487,22 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
       saved.pipeline_size() == layout.pipeline_size && saved.virtual_size == layout.virtual_size &&
       StageOf(saved.stage_layers, layout.pipeline_rank).first_layer == layout.first_layer &&
       saved.stage_layers[static_cast<size_t>(layout.pipeline_rank)] == static_cast<int64_t>(layout.layers.size());
-  if (saved.tensor_size != layout.tensor_size || !same_stage)
-    return LoadResharded(dir, saved, iteration, layout, params, exp_avg, exp_avg_sq, state);
-  return LoadCheckpointFile(JoinPath(dir, MpRankFile(layout.tensor_rank, layout.pipeline_rank, layout.pipeline_size)),
-                            iteration, layout, params, exp_avg, exp_avg_sq, state);
+  const bool resharded = saved.tensor_size != layout.tensor_size || !same_stage;
+  const std::string own = JoinPath(dir, MpRankFile(layout.tensor_rank, layout.pipeline_rank, layout.pipeline_size));
+  if (progress != nullptr) {  // the files about to be read: this rank's, or every saved rank's
+    std::vector<std::string> files = {own};
+    if (resharded) {
+      files.clear();
+      for (int p = 0; p < saved.pipeline_size(); ++p)
+        for (int t = 0; t < saved.tensor_size; ++t)
+          files.push_back(JoinPath(dir, MpRankFile(t, p, saved.pipeline_size())));
+    }
+    uint64_t bytes = 0;
+    for (const std::string& f : files) bytes += FileSize(f).value_or(0);  // a missing file: its load says so
+    progress->SetTotals(files.size(), bytes);
+  }
+  if (resharded) return LoadResharded(dir, saved, iteration, layout, params, exp_avg, exp_avg_sq, state, progress);
+  return LoadCheckpointFile(own, iteration, layout, params, exp_avg, exp_avg_sq, state, progress);
 }
 
 }  // namespace ptk

@@ -25,6 +25,8 @@
 
 namespace ptk {
 
+class ProgressReporter;  // common/progress.h
+
 struct TrainState {
   int64_t iteration = 0;
   int64_t consumed_train_samples = 0;
@@ -64,10 +66,11 @@ std::string FirstRankFile(const std::string& dir);
 
 // Writes the checkpoint of `iteration` and then points the tracker at it. A save that fails (a
 // full disk) removes what it wrote and leaves the previous checkpoint and the tracker as they were.
-// `params`, `exp_avg` and `exp_avg_sq` are host copies in `layout`'s order.
+// `params`, `exp_avg` and `exp_avg_sq` are host copies in `layout`'s order. `progress`, when given, gets
+// the files and the arrays' bytes to write as its totals and counts them as they are written (ptk-convert's).
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
-                            const std::string& args_json);
+                            const std::string& args_json, ProgressReporter* progress = nullptr);
 
 // Every model-parallel rank's part at once (shards[p * T + t]: tensor rank t of pipeline stage p,
 // its layout and arrays; one shard at T = P = 1): each in its mp_rank_TT (mp_rank_TT_PPP with
@@ -77,7 +80,7 @@ struct CheckpointShard {
   std::span<const float> params, exp_avg, exp_avg_sq;
 };
 absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointShard> shards, const TrainState& state,
-                            const std::string& args_json);
+                            const std::string& args_json, ProgressReporter* progress = nullptr);
 
 // Makes `save` whole again after a killed save: an iteration directory that is missing while a
 // complete copy of it (its checksum verified) lies aside as iter_*.ptk-tmp-* or iter_*.ptk-old-*
@@ -111,9 +114,11 @@ absl::StatusOr<int64_t> CheckpointToLoad(const std::string& load, std::optional<
 // the state: `layout`'s tensor rank's file, or, when another tensor size saved it, this rank's
 // slices of the whole model put together from every saved rank's (LoadResharded). A directory holding Megatron's own
 // PyTorch checkpoint (model_optim_rng.pt, torch_dist shards) is refused saying so.
+// `progress`, when given, gets the files to read and their bytes as its totals and counts them as they are read
+// and checksummed (ptk-convert's).
 absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                            TrainState* state);
+                            TrainState* state, ProgressReporter* progress = nullptr);
 
 // LoadCheckpoint's pieces. The directory holding the checkpoint of `iteration` (iter_N, or a
 // complete copy a killed save left aside); the tensor size that saved it (1 for a ptk before
@@ -137,13 +142,13 @@ std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::stri
 absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file);
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
                                 std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                                TrainState* state);
+                                TrainState* state, ProgressReporter* progress = nullptr);
 // A checkpoint saved with other tensor or pipeline sizes (`saved`) in `dir`, loaded at `layout`'s:
 // every saved rank's slices put together into the whole model (weights and moments), then
 // `layout`'s slices of its stage cut. (checkpoint_reshard.cpp, as ReadSavedParallelism)
 absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
                            const ParamLayout& layout, std::vector<float>* params, std::vector<float>* exp_avg,
-                           std::vector<float>* exp_avg_sq, TrainState* state);
+                           std::vector<float>* exp_avg_sq, TrainState* state, ProgressReporter* progress = nullptr);
 
 // The settings the checkpoint of `iteration` in `load` records of its run (flag name, value), read
 // from its header alone (LoadCheckpoint verifies the file). A checkpoint that records none (an

@@ -13,6 +13,7 @@
 #include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/json_keys.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_header.h"
@@ -135,6 +136,35 @@ absl::Status ReadHeaderState(simdjson::dom::element h, const std::function<absl:
   return absl::OkStatus();
 }
 
+// A checkpoint file whole, and the SHA-256 of all but its last kDigestChars bytes (the digest it ends with), taken
+// as the pieces come (one pass over a file of GBs); `progress` (may be null) counts each piece, and the file.
+struct HashedFile {
+  std::string data, digest;
+};
+absl::StatusOr<HashedFile> ReadHashed(const std::string& file, ProgressReporter* progress) {
+  HashedFile f;
+  f.data.reserve(FileSize(file).value_or(0));  // an error is the read's to say
+  Sha256 sha;
+  size_t hashed = 0;
+  PTK_RETURN_IF_ERROR(ReadFileChunks(file, 4 << 20, [&](const char* p, size_t n) {
+    f.data.append(p, n);
+    if (f.data.size() > kDigestChars) {
+      sha.Update(f.data.data() + hashed, f.data.size() - kDigestChars - hashed);
+      hashed = f.data.size() - kDigestChars;
+    }
+    if (progress != nullptr) {
+      progress->AddBytes(n);
+      if ((f.data.size() - n) >> 26 != f.data.size() >> 26) progress->Refresh();  // on a terminal, every 64 MiB
+    }
+  }));
+  f.digest = sha.HexDigest();
+  if (progress != nullptr) {
+    progress->AddItems(1);
+    progress->Refresh();
+  }
+  return f;
+}
+
 }  // namespace
 
 absl::Status VerifyCheckpointFile(const std::string& file) {
@@ -168,8 +198,9 @@ absl::Status VerifyCheckpointFile(const std::string& file) {
 
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
                                 std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                                TrainState* state) {
-  PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(file));
+                                TrainState* state, ProgressReporter* progress) {
+  PTK_ASSIGN_OR_RETURN(const HashedFile read, ReadHashed(file, progress));
+  const std::string& data = read.data;
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint, refusing to load it: {}", file, why));
   };
@@ -178,7 +209,7 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   if (std::string why = CheckpointLengthProblem(data, data.size()); !why.empty()) return corrupt(why);
   if (data.size() < sizeof kMagic + 8 + 64) return corrupt("not a ptk checkpoint (bad magic or too short)");
   const std::string_view body(data.data(), data.size() - 64);
-  if (Sha256Hex(body) != std::string_view(data.data() + data.size() - 64, 64))
+  if (read.digest != std::string_view(data.data() + data.size() - 64, 64))
     return corrupt(fmt::format("SHA-256 mismatch over {} bytes", body.size()));
   uint64_t len = 0;
   std::memcpy(&len, data.data() + sizeof kMagic, sizeof len);

@@ -74,7 +74,7 @@ std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::stri
 
 absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
                            const ParamLayout& layout, std::vector<float>* params, std::vector<float>* exp_avg,
-                           std::vector<float>* exp_avg_sq, TrainState* state) {
+                           std::vector<float>* exp_avg_sq, TrainState* state, ProgressReporter* progress) {
   auto whole = ParamLayout::Create(layout.config, 1, 0);
   if (!whole.ok()) return whole.status();
   const size_t n = static_cast<size_t>(whole->num_params);
@@ -89,8 +89,8 @@ absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved
             fmt::format("{}: saved at tensor size {} and {} pipeline stage(s), which this model cannot have been split "
                         "into: {}",
                         dir, saved.tensor_size, P, StatusMessage(saved_layout.status())));
-      PTK_RETURN_IF_ERROR(
-          LoadCheckpointFile(JoinPath(dir, MpRankFile(t, stage, P)), iteration, *saved_layout, &sp, &sm, &sv, state));
+      PTK_RETURN_IF_ERROR(LoadCheckpointFile(JoinPath(dir, MpRankFile(t, stage, P)), iteration, *saved_layout, &sp, &sm,
+                                             &sv, state, progress));
       CopyFromShard(*saved_layout, sp, p);
       CopyFromShard(*saved_layout, sm, m);
       CopyFromShard(*saved_layout, sv, v);

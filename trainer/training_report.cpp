@@ -1,5 +1,6 @@
-// What the training run reports (Trainer, training_run.h): rank 0's lines, Megatron's training_log (--metrics-file,
-// TensorBoard's scalars, the log line and timers), the evaluations and --sample-interval's samples.
+// What the training run reports (Trainer, training_run.h): rank 0's and the last rank's lines, Megatron's
+// training_log (--metrics-file, TensorBoard's scalars, the log line and timers), the evaluations and
+// --sample-interval's samples.
 #include "trainer/training_run.h"
 
 #include <algorithm>
@@ -24,6 +25,10 @@ namespace training_detail {
 
 void Trainer::Print(const std::string& line) const {
   if (lead_) PrintAnyRank(line);
+}
+
+void Trainer::PrintLast(const std::string& line) const {
+  if (last_) PrintAnyRank(line);
 }
 
 void Trainer::PrintAnyRank(const std::string& line) const {
@@ -75,7 +80,7 @@ absl::Status Trainer::Log(const StepResult& r) {
   interval_.Fill(r, FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
   f.params_norm = params_norm;
   f.learning_rate = lr_now;
-  Print(FormatLogLine(f, Timestamp()));
+  PrintLast(FormatLogLine(f, Timestamp()));
   PTK_RETURN_IF_ERROR(LogTimers(
       timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),
       o_.tensorboard.log_timers ? outputs_.tb.get() : nullptr, [this](const std::string& text) { PrintAnyRank(text); },
@@ -106,9 +111,9 @@ absl::StatusOr<std::optional<double>> Trainer::Evaluate(DataLoader* loader, cons
   PTK_RETURN_IF_ERROR(
       LogEvaluateTime(world_, Seconds(t0), timers_->option(), [this](const std::string& text) { PrintAnyRank(text); }));
   const std::string line = ValidationLine(prefix, *loss), bar(line.size() + 1, '-');
-  Print(bar);
-  Print(line);
-  Print(bar);
+  PrintLast(bar);
+  PrintLast(line);
+  PrintLast(bar);
   if (outputs_.tb) {
     TensorBoardScalar(tb_tag, *loss);
     if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, *loss)));

@@ -40,8 +40,11 @@ class Trainer {
   absl::StatusOr<TrainSummary> Run();
 
  private:
-  // Rank 0's Megatron-shaped lines.
+  // Megatron's lines: print_rank_0's from world rank 0 (start-up, datetimes, saves), print_rank_last's from the last
+  // world rank (the log line, the evaluations' lines, as the timers' blocks): a launcher that keeps each rank's output
+  // apart (torchrun --log-dir --tee, srun --output %t) shows each in the same rank's file as Megatron's.
   void Print(const std::string& line) const;
+  void PrintLast(const std::string& line) const;
   void PrintAnyRank(const std::string& line) const;
 
   // The ranks agree on the settings, the model and its training step are made, and rank 0 takes
@@ -122,7 +125,8 @@ class Trainer {
   // comm_'s rank and size (data × context ranks: ZeRO-1's shards), the context size, the samplers' data rank and size.
   const int rank_, dp_, cp_, data_rank_, data_size_;
   std::vector<int64_t> context_positions_;  // this context rank's positions of each sample
-  const bool lead_;                         // world rank 0: the logs, the checkpoint's writer
+  const bool lead_;                         // world rank 0: print_rank_0's lines, the checkpoint's writer
+  const bool last_;                         // the last world rank: print_rank_last's lines
   const bool tb_writer_;  // events and metrics: the last stage's data and tensor rank 0 (Megatron's last rank)
   Settings settings_;
   std::unique_ptr<GPTModel> model_;

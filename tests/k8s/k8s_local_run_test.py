@@ -310,11 +310,14 @@ try:
     r = sim.run_job(job, timeout=240)
     if not r["succeeded"]:
         fail("the Indexed Job's training failed", sim)
+    # Rank 0 prints Megatron's print_rank_0 lines, the last rank (1) its print_rank_last lines: the log
+    # lines and the evaluations'.
     log0 = open(os.path.join(sim.log_dir, "ptk-train-0-0.pytorch.log")).read()
-    if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration       60/      60" not in log0:
-        fail("rank 0 of the Indexed Job did not train 2 ranks to iteration 60:\n" + log0[-3000:])
-    if "validation loss at iteration 60 on validation set" not in log0:
-        fail("training did not evaluate on the validation split:\n" + log0[-3000:])
+    log1 = open(os.path.join(sim.log_dir, "ptk-train-1-0.pytorch.log")).read()
+    if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration       60/      60" not in log1:
+        fail("the Indexed Job did not train 2 ranks to iteration 60:\n" + log0[-3000:] + log1[-3000:])
+    if "validation loss at iteration 60 on validation set" not in log1:
+        fail("training did not evaluate on the validation split:\n" + log1[-3000:])
     ref_ckpt = os.path.join(VOL, "ptk", "ckpt-indexed")
     # The PyTorchJob's run starts afresh: beside the Indexed Job's event files it would write in a
     # TensorBoard run directory of its own (run-2), so the Indexed Job's directory is moved aside.
@@ -393,9 +396,10 @@ try:
     if restarts.get("ptk-train-worker-0", 0) < 2 or restarts.get("ptk-train-master-0", 0) < 2:
         fail(f"the ranks were not restarted in place after each stop: {restarts}", sim)
     mlog = open(os.path.join(sim.log_dir, "ptk-train-master-0.pytorch.log")).read()
-    if "loaded checkpoint" not in mlog or "iteration       60/      60" not in mlog:
-        fail("the restarted ranks did not resume from the checkpoint to iteration 60:\n" + mlog[-4000:], sim)
     wlog = open(os.path.join(sim.log_dir, "ptk-train-worker-0.pytorch.log")).read()
+    if "loaded checkpoint" not in mlog or "iteration       60/      60" not in wlog:  # the log lines: the last rank's
+        fail("the restarted ranks did not resume from the checkpoint to iteration 60:\n" + mlog[-4000:] + wlog[-4000:],
+             sim)
     stop = resumed_from[0] + 1  # the checkpoint the restarted ranks loaded, and the one iteration after the SIGTERM
     if "train.sh: ptk-train stopped before its last iteration on SIGTERM with a checkpoint saved; exit 143" \
             not in mlog or "train.sh: ptk-train stopped before its last iteration with a checkpoint saved; exit 75" \

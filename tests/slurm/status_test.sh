@@ -165,6 +165,15 @@ sub=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage4 TRAIN_ITERS=10 bash "$SR
 st=$(env -u TRAIN_ITERS PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)
 echo "$st" | grep -q "train        no checkpoint yet (training to iteration 10;" || fail "no checkpoint: $st"
 [ "$(echo "$st" | grep -c "job 4242 *finished (no longer known to slurmctld)")" = 6 ] || fail "the jobs: $st"
+# A controller that is down: each scontrol call waited its MessageTimeout of retries (18 s) and the
+# empty answer read as a finished job, for each of the 6 jobs. It is asked once, and said in one line.
+printf '#!/bin/sh\necho x >> "%s"\necho "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n' \
+  "$W/scontrol-calls" > "$W/fakebin/scontrol"
+st=$(PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)
+[ "$(wc -l < "$W/scontrol-calls")" = 1 ] || fail "scontrol asked $(wc -l < "$W/scontrol-calls") times with the controller down: $st"
+[ "$(echo "$st" | grep -c "the Slurm controller does not answer (scontrol: slurm_load_jobs error: Unable to contact")" = 1 ] ||
+  fail "the controller's state not said once: $st"
+echo "$st" | grep -q "finished (no longer known" && fail "jobs called finished with the controller down: $st"
 mkdir -p "$W/stage4/checkpoints"
 echo 10 > "$W/stage4/checkpoints/latest_checkpointed_iteration.txt"
 st=$(TRAIN_ITERS=100 PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)

@@ -143,13 +143,14 @@ class CudaTrainCli : public ::testing::Test {
   }
   static std::string Dir(const std::string& name) { return Quote(*dir_ + "/" + name); }
   // `cmd` as world ranks 0 and 1 of two on this machine (torchrun's variables, a free port, each under a
-  // 600 s timeout; rank 1's output into Dir(rank1_log)): rank 0's output, then "rc=R0 R1", both exit codes.
+  // 600 s timeout; rank 1's output into Dir(rank1_log)): rank 0's output, then rank 1's (the last rank's:
+  // the log lines), then "rc=R0 R1", both exit codes.
   static CmdRun TwoRanks(const std::string& cmd, const std::string& rank1_log) {
     const std::string port = std::to_string(testing::FreeTestPort());
-    return Shell("bash -c " +
-                 Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                       "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir(rank1_log) +
-                       " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    return Shell("bash -c " + Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                                    "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir(rank1_log) +
+                                    " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd +
+                                    "; rc0=$?; wait $!; rc1=$?; cat " + Dir(rank1_log) + "; echo rc=$rc0 $rc1"));
   }
 
   static std::string* dir_;
@@ -480,7 +481,8 @@ TEST_F(CudaTrainCli, ThreePipelineStagesOnThreeGpusTieTheirEmbeddings) {
   const std::string port = std::to_string(testing::FreeTestPort());
   const std::string cmd =
       Train("--device cuda " + model + "--pipeline-model-parallel-size 3 --distributed-timeout-minutes 1", 10);
-  // Ranks 1 and 2 in the background (their exit codes collected after rank 0's), rank 0 printing.
+  // Ranks 1 and 2 in the background (their exit codes collected after rank 0's), rank 0 printing, then
+  // rank 2's output (the last rank's: the log lines).
   CmdRun r = Shell("bash -c " + Quote("export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
                                       "; pids=; for q in 1 2; do RANK=$q LOCAL_RANK=$q timeout 300 " + cmd + " > " +
                                       Dir("pp3_rank") +
@@ -488,7 +490,8 @@ TEST_F(CudaTrainCli, ThreePipelineStagesOnThreeGpusTieTheirEmbeddings) {
                                       "timeout 300 " +
                                       cmd +
                                       "; rcs=rc=$?; for p in $pids; do wait $p; "
-                                      "rcs=\"$rcs $?\"; done; echo $rcs"));
+                                      "rcs=\"$rcs $?\"; done; cat " +
+                                      Dir("pp3_rank2.log") + "; echo $rcs"));
   ASSERT_NE(r.output.find("rc=0 0 0"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("> initialized pipeline model parallel with size 3"), std::string::npos) << r.output;
   const std::vector<Line> pp = Lines(r.output);
@@ -509,13 +512,14 @@ TEST_F(CudaTrainCli, InterleavedStagesShareOneGpuOverGlooAndCrossBackends) {
   ASSERT_EQ(one.size(), 10u);
   const std::string chunks =
       model + "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --distributed-backend gloo ";
-  // Two ranks on loopback, rank 0's output (the last stage's loss lines) returned.
+  // Two ranks on loopback, rank 0's output and rank 1's (the last rank's: the loss lines) returned.
   const auto two_ranks = [&](const std::string& extra, int64_t iters, const std::string& log) {
     const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(chunks + extra, iters);
-    CmdRun r = Shell("bash -c " + Quote("export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                                        "; RANK=1 timeout 900 " + cmd + " > " + Dir(log) +
-                                        " 2>&1 & RANK=0 timeout 900 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    CmdRun r =
+        Shell("bash -c " + Quote("export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                                 "; RANK=1 timeout 900 " + cmd + " > " + Dir(log) + " 2>&1 & RANK=0 timeout 900 " +
+                                 cmd + "; rc0=$?; wait $!; rc1=$?; cat " + Dir(log) + "; echo rc=$rc0 $rc1"));
     EXPECT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
     return r.output;
   };

@@ -126,7 +126,7 @@ TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) 
 // hanging (it serves the rendezvous) is named as such.
 // The timeout bounds every wait of a rank for another: the rendezvous, start-up's collectives (the
 // barrier once each rank has its dataset indices) and each of training's. The fault comes once
-// rank 0 has logged iteration 4 (every rank then trains, past its first evaluation). A killed rank is
+// the last rank has logged iteration 4 (every rank then trains, past its first evaluation). A killed rank is
 // seen at once (its connections close): that case runs under a timeout of a minute, which no
 // start-up on a loaded machine meets, and its ranks build the indices that the later cases then
 // read from --data-cache-path. A hung rank is seen only when the timeout ends: those cases run under
@@ -165,7 +165,7 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
     // Once training runs on every rank, the victim gets the signal; the two others must end by
     // themselves.
     const std::string v = std::to_string(f.victim), a = f.victim == 0 ? "1" : "0";
-    script += "end=$((SECONDS + 120)); until grep -q 'iteration        4/' " + ShellQuote(RankLog(0)) +
+    script += "end=$((SECONDS + 120)); until grep -q 'iteration        4/' " + ShellQuote(RankLog(2)) +
               " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -" + f.signal + " $p" + v +
               "; start=$SECONDS; wait $p" + a + "; ra=$?; wait $p2; rb=$?; echo rc=$ra,$rb after=$((SECONDS-start)); " +
               "kill -9 $p" + v + "; wait $p" + v;
@@ -198,7 +198,7 @@ TEST_F(DataParallelCli, ASignalToOneRankSavesTheSameIterationOnAll) {
              ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd + " > " +
                         ShellQuote(dir_ / "r1.log") + " 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
                         ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; end=$((SECONDS + 120)); until grep -q " +
-                        "'iteration        5/' " + ShellQuote(dir_ / "r0.log") +
+                        "'iteration        5/' " + ShellQuote(dir_ / "r1.log") +
                         " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -TERM $p1; wait $p0; rc0=$?; wait $p1; "
                         "echo rc0=$rc0 rc1=$?"));
   const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log");

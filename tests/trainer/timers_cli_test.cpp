@@ -181,8 +181,11 @@ TEST_F(TimersCli, TwoStagesNameEachStagesExchanges) {
   ASSERT_NE(timed.output.find(AllZero(2)), std::string::npos) << timed.output << Logs(2);
   EXPECT_EQ(ReadFile(timed_metrics), ReadFile(plain_metrics));
   EXPECT_EQ(Lines(timed.output), Lines(plain.output));
-  EXPECT_TRUE(Blocks(timed.output).empty()) << timed.output;  // rank 0 is not Megatron's last rank
+  // Rank 0 is not Megatron's last rank: the blocks, and the log lines they follow, are the last stage's.
+  EXPECT_TRUE(Blocks(ReadFile(RankLog(0))).empty()) << ReadFile(RankLog(0));
+  EXPECT_TRUE(Lines(ReadFile(RankLog(0))).empty()) << ReadFile(RankLog(0));
   const std::string last = ReadFile(RankLog(1));
+  EXPECT_EQ(Lines(last).size(), 3u) << last;
   const auto blocks = Blocks(last);
   ASSERT_EQ(blocks.size(), 3u) << last;
   const std::set<int> both = {0, 1}, first = {0}, second = {1};
@@ -242,7 +245,7 @@ TEST_F(TimersCli, FourStagesMeetAtEveryLevelOneBarrier) {
 TEST_F(TimersCli, TwoDataRanksWithZeroOne) {
   auto r = Ranks(2, Train(1, "--timing-log-level 1 --use-distributed-optimizer"));
   ASSERT_NE(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
-  EXPECT_TRUE(Blocks(r.output).empty()) << r.output;
+  EXPECT_TRUE(Blocks(ReadFile(RankLog(0))).empty()) << ReadFile(RankLog(0));
   const std::string last = ReadFile(RankLog(1));
   const auto blocks = Blocks(last);
   ASSERT_EQ(blocks.size(), 3u) << last;
@@ -275,6 +278,9 @@ TEST_F(TimersCli, SequenceParallelSumIsTimedUnderMegatronsName) {
   EXPECT_EQ(ReadFile(timed_metrics), ReadFile(plain_metrics));
   EXPECT_EQ(Lines(timed.output), Lines(plain.output));
   const std::string last = ReadFile(RankLog(1));
+  // The log lines too are the last rank's (tensor rank 1), not rank 0's.
+  EXPECT_TRUE(Lines(ReadFile(RankLog(0))).empty()) << ReadFile(RankLog(0));
+  EXPECT_EQ(Lines(last).size(), 3u) << last;
   const auto blocks = Blocks(last);
   ASSERT_EQ(blocks.size(), 3u) << last;
   for (const Block& b : blocks) {

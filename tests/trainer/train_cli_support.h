@@ -124,9 +124,10 @@ class RanksTest : public ::testing::Test {
     prefix_ = dir_ / "data_text_document";
     ASSERT_NO_FATAL_FAILURE(WriteLearnableDataset(prefix_, 300, eod_));
   }
-  // `world` ranks of `cmd`, rank 0 in the foreground and rank r's output in DIR/r<r>.log, each under
-  // `timeout 300` (a hang fails the test instead of blocking it). The output is rank 0's, then one
-  // line with every rank's exit code ("rc=0 0 0").
+  // `world` ranks of `cmd`, rank r's output in DIR/r<r>.log, each under `timeout 300` (a hang fails the
+  // test instead of blocking it). The output is rank 0's (Megatron's print_rank_0 lines), then the last
+  // rank's (its print_rank_last lines: the log lines, the evaluations' and the timers'), then one line
+  // with every rank's exit code ("rc=0 0 0").
   CommandResult Ranks(int world, const std::string& cmd) {
     const std::string port = std::to_string(FreeTestPort());
     std::string script =
@@ -134,7 +135,9 @@ class RanksTest : public ::testing::Test {
     for (int r = 1; r < world; ++r)
       script += "RANK=" + std::to_string(r) + " timeout 300 " + cmd + " > " + ShellQuote(RankLog(r)) +
                 " 2>&1 & pids=\"$pids $!\"; ";
-    script += "RANK=0 timeout 300 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
+    script += "RANK=0 timeout 300 " + cmd + " > " + ShellQuote(RankLog(0)) +
+              " 2>&1; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; cat " + ShellQuote(RankLog(0)) +
+              (world > 1 ? "; cat " + ShellQuote(RankLog(world - 1)) : std::string()) + "; echo rc=$rcs";
     return RunCmd("bash -c " + ShellQuote(script));
   }
   // Ranks' line of `world` exit codes 0.
@@ -155,7 +158,7 @@ class RanksTest : public ::testing::Test {
     return WorstRelativeDifference(a, ref);
   }
   // `world` ranks of `cmd` (one plain process when `world` is 1), every one exiting 0, whose log lines
-  // (rank 0's output, in *out) hold `lines` losses, each within `tolerance` relative of the same
+  // (the last rank's output, in *out after rank 0's) hold `lines` losses, each within `tolerance` relative of the same
   // iteration's in `ref`; the largest difference is printed after `what`. Its failures are fatal:
   // call it under ASSERT_NO_FATAL_FAILURE.
   void RunGivingLosses(int world, const std::string& cmd, const std::vector<std::pair<int, double>>& ref, size_t lines,

@@ -680,8 +680,21 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
       "using world size: 2, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: "
       "None, tensor-model-parallel size: 1, pipeline-model-parallel size: 1\n";
   EXPECT_NE(r.output.find(sizes), std::string::npos) << r.output;
-  EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("using world size"), std::string::npos);
-  EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("iteration "), std::string::npos) << "rank 1 printed log lines";
+  const std::string r1 = testing::ReadFile(dir_ / "r1.log");
+  EXPECT_EQ(r1.find("using world size"), std::string::npos);
+  // Megatron's print_rank_last lines come from the last rank only, as with torchrun --log-dir --tee: the
+  // log lines (iterations 1, 2, 4, 6, 8) and the evaluations' (rank 0 printed them, and rank 1 nothing).
+  EXPECT_EQ(testing::LogLinesWithoutTimes(r1).size(), 5u) << r1;
+  EXPECT_TRUE(testing::LogLinesWithoutTimes(r.output).empty()) << r.output;
+  for (const char* evaluation : {" validation loss at iteration 4 | lm loss value: ",
+                                 " validation loss at iteration 8 on validation set | lm loss value: "}) {
+    EXPECT_NE(r1.find(evaluation), std::string::npos) << r1;
+    EXPECT_EQ(r.output.find(evaluation), std::string::npos) << r.output;
+  }
+  EXPECT_EQ(r.output.find(" validation loss at iteration"), std::string::npos) << r.output;
+  // print_rank_0's lines stay rank 0's.
+  EXPECT_NE(r.output.find("[after training is done] datetime: "), std::string::npos) << r.output;
+  EXPECT_EQ(r1.find("[after training is done] datetime: "), std::string::npos) << r1;
   Saved a = Load(dir_ / "one", 8), b = Load(dir_ / "two", 8);
   ASSERT_EQ(a.params.size(), b.params.size());
   double num = 0, den = 0;

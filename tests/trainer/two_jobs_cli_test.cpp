@@ -89,10 +89,11 @@ class TwoJobsCli : public ::testing::Test {
     for (const auto& v : vs) s += "--- " + v + "\n" + Read(v);
     return s;
   }
-  // A's rank-0 losses, which must be those of the same job run alone, bit for bit (as printed).
+  // The job's losses (its last rank's log lines: rank 1's), which must be those of the same job run alone, bit for
+  // bit (as printed).
   void ExpectUndisturbed(const std::string& job, const std::vector<std::pair<int, double>>& alone) {
-    const auto losses = testing::LossesOf(Read(job + "0"));
-    EXPECT_EQ(losses.size(), 30u) << Read(job + "0");
+    const auto losses = testing::LossesOf(Read(job + "1"));
+    EXPECT_EQ(losses.size(), 30u) << Read(job + "1");
     EXPECT_EQ(losses, alone) << "job " << job << " was disturbed";
   }
   std::vector<std::pair<int, double>> Alone() {
@@ -100,7 +101,7 @@ class TwoJobsCli : public ::testing::Test {
     Run r = Script(Start("alone", 1, port, "") + Start("alone", 0, port, "") + Wait("alone", 0) + Wait("alone", 1));
     EXPECT_EQ(r.Rc("alone0"), 0) << Logs({"alone0", "alone1"});
     EXPECT_EQ(r.Rc("alone1"), 0) << Logs({"alone0", "alone1"});
-    return testing::LossesOf(Read("alone0"));
+    return testing::LossesOf(Read("alone1"));
   }
   // One "ptk-train: error: " line in `log` that contains `text`.
   static bool SaysOnce(const std::string& log, const std::string& text) {
