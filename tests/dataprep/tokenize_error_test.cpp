@@ -977,11 +977,11 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
 }
 
 // dir/parts/p1_text_document and p2_text_document: dir/a.jsonl's two documents tokenized twice by ptk-tokenize,
-// the inputs of the merge tests below.
-void TokenizeTwoParts(const TempDir& dir) {
+// the inputs of the merge tests below, made in the order `order` names them.
+void TokenizeTwoParts(const TempDir& dir, std::initializer_list<const char*> order = {"p1", "p2"}) {
   std::filesystem::create_directories(dir / "parts");
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
-  for (const char* p : {"p1", "p2"})
+  for (const char* p : order)
     ASSERT_EQ(
         RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
             .exit_code,
@@ -1113,13 +1113,7 @@ TEST(TokenizeErrors, AMergeOfInputsIsNotMergedAgainBesideThem) {
 // message changed with the order files were made (AMergeOfInputsIsNotMergedAgainBesideThem flaked).
 TEST(TokenizeErrors, AMergeIsNamedAgainstItsFirstRecordedInput) {
   testing::TempDir dir;
-  std::filesystem::create_directories(dir / "parts");
-  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
-  for (const char* p : {"p2", "p1"})
-    ASSERT_EQ(
-        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
-            .exit_code,
-        0);
+  ASSERT_NO_FATAL_FAILURE(TokenizeTwoParts(dir, {"p2", "p1"}));
   const std::string merge = testing::Tool("ptk-merge");
   ASSERT_EQ(RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "parts/m").exit_code, 0);
   for (int i = 0; i < 3; ++i) {  // the same answer every time
