@@ -18,8 +18,9 @@ SRC=$2
 export PATH="$PATH:/usr/sbin:/sbin"
 WORK=$(mktemp -d /tmp/ptk-strain-XXXXXX)
 export SLURM_LOCAL_DIR=$WORK/s SLURM_LOCAL_GPUS=2
-# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them).
-read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2)
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them),
+# reserved while this shell lives (--hold): a trainer test beside it cannot pick them as a MASTER_PORT.
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2 --hold $$)
 export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT
 cleanup() {
   "$SRC/tests/slurm/stop-slurm.sh" --purge "$SLURM_LOCAL_DIR" >/dev/null 2>&1 || true
@@ -103,14 +104,9 @@ grep -q 'FAILED' "$WORK/wait.out" || { cat "$WORK/wait.out"; fail "the job is no
 echo "   rank 1 killed -> job FAILED after ${elapsed}s (timeout 30 s), not at its time limit"
 
 echo "== 3. two jobs on this node with one MASTER_PORT: the second stops at once naming the first, which runs on"
-# A free port below the ephemeral ones (from 32768), where no outgoing connection can take it meanwhile.
-port=$(python3 -c 'import random, socket
-for _ in range(500):
-    p, s = random.randrange(10000, 32000), socket.socket()
-    try:
-        s.bind(("", p)); print(p); break
-    except OSError:
-        pass')
+# A free port below the ephemeral ones (from 32768), where no outgoing connection can take it meanwhile, reserved
+# while this shell lives as the Slurm ports above.
+read -r port < <(python3 "$SRC/tests/slurm/free-ports.py" 1 --hold $$)
 export MASTER_PORT=$port STAGE_PATH=$WORK/stage3a TRAIN_ITERS=1000000 TRAIN_ARGS=$BASE_ARGS
 mkdir -p "$STAGE_PATH"
 first=$(submit)
