@@ -196,12 +196,23 @@ try:
     tok_killed = []
 
     def kill_tokenize_mid_file(running):
+        """A pod whose ptk-tokenize runs, killed while it runs: each pod is stopped (SIGSTOP to its process group)
+        before its processes are listed, so that the one seen running is still running when the kill lands (the
+        listing takes milliseconds; a pod whose ptk-tokenize ended meanwhile exited 0, and the test failed)."""
         if tok_killed:
             return []
         for p in running:
+            try:
+                os.killpg(p.proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
             if "ptk-tokenize" in comms(p.proc.pid):
                 tok_killed.append(p)
-                return [p]
+                return [p]  # SIGKILL ends it stopped
+            try:
+                os.killpg(p.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         return []
 
     r = run("tokenize-job", chaos=kill_tokenize_mid_file)
