@@ -98,8 +98,9 @@ Tally Race(const TempDir& dir, const std::string& cmd, const std::string& out_di
     check(fmt::format("trial {}: after the rerun", trial));
     EXPECT_EQ(testing::Leftovers(out_dir), "") << "trial " << trial;
   }
-  std::printf("%d trials: %d times the second run was refused, %d completed, %d killed mid-run\n", kTrials, t.refused,
-              t.completed, t.killed);
+  std::printf(
+      "%d trials: %d times the second run was refused, %d completed, %d killed mid-run (an undisturbed run: %.0f ms)\n",
+      kTrials, t.refused, t.completed, t.killed, run_us / 1000);
   return t;
 }
 
@@ -115,9 +116,10 @@ TEST(ConcurrentRuns, ConcatSameChunk) {
   const std::string run = fmt::format("{} run --quiet --plan {} --chunk-index 0", testing::Tool("ptk-concat"),
                                       dir / "out/concat-plan.json");
   const std::string reset = fmt::format("rm -f {0}/train_00.jsonl {0}/train_00.jsonl.ptk-done", dir / "out");
-  const Tally t = Race(dir, run, dir / "out", reset, [&](const std::string& when) {
-    ASSERT_EQ(testing::ReadFile(dir / "out/train_00.jsonl"), want) << when;
-  });
+  const double run_us = TimedRun(run);
+  const Tally t = Race(
+      dir, run, dir / "out", reset,
+      [&](const std::string& when) { ASSERT_EQ(testing::ReadFile(dir / "out/train_00.jsonl"), want) << when; }, run_us);
   EXPECT_GT(t.killed, 0);
 }
 
@@ -129,9 +131,10 @@ TEST(ConcurrentRuns, ExtractSameOutput) {
   const std::string run =
       fmt::format("{} --quiet --input {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out");
   const std::string reset = fmt::format("rm -f {0}/big.jsonl {0}/big.jsonl.ptk-done", dir / "out");
-  const Tally t = Race(dir, run, dir / "out", reset, [&](const std::string& when) {
-    ASSERT_EQ(testing::ReadFile(dir / "out/big.jsonl"), text) << when;
-  });
+  const double run_us = TimedRun(run);
+  const Tally t = Race(
+      dir, run, dir / "out", reset,
+      [&](const std::string& when) { ASSERT_EQ(testing::ReadFile(dir / "out/big.jsonl"), text) << when; }, run_us);
   EXPECT_GT(t.killed, 0);
 }
 

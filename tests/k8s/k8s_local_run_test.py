@@ -22,12 +22,11 @@ Usage: k8s_local_run_test.py BIN_DIR SOURCE_DIR
 """
 import glob
 import hashlib
+import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,21 +64,13 @@ def fail(msg, sim=None):
 def free_port():
     """A port for the rendezvous below the kernel's ephemeral range (the ranks' own gloo connections
     and every other test's take ports from that range, and one could hold this port when a rank 0
-    binds it, across the several jobs that reuse it), free when picked."""
-    try:
-        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        lo = 32768
-    rng = random.Random(os.getpid())
-    for _ in range(500):
-        p = rng.randrange(10000, max(lo, 12000))
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", p))
-                return p
-            except OSError:
-                continue
-    sys.exit("FAIL: no free port below the ephemeral range")
+    binds it, across the several jobs that reuse it), free when picked, and reserved for the life of
+    this process as the trainer tests' MASTER_PORTs are (tests/slurm/free-ports.py: a trainer test
+    beside this one could pick it before its jobs bind it)."""
+    spec = importlib.util.spec_from_file_location("free_ports", os.path.join(SRC, "tests", "slurm", "free-ports.py"))
+    free_ports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(free_ports)
+    return free_ports.reserve_ports(1)[0]
 
 
 def sha(path):
@@ -205,12 +196,23 @@ try:
     tok_killed = []
 
     def kill_tokenize_mid_file(running):
+        """A pod whose ptk-tokenize runs, killed while it runs: each pod is stopped (SIGSTOP to its process group)
+        before its processes are listed, so that the one seen running is still running when the kill lands (the
+        listing takes milliseconds; a pod whose ptk-tokenize ended meanwhile exited 0, and the test failed)."""
         if tok_killed:
             return []
         for p in running:
+            try:
+                os.killpg(p.proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
             if "ptk-tokenize" in comms(p.proc.pid):
                 tok_killed.append(p)
-                return [p]
+                return [p]  # SIGKILL ends it stopped
+            try:
+                os.killpg(p.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         return []
 
     r = run("tokenize-job", chaos=kill_tokenize_mid_file)

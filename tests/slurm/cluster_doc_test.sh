@@ -28,8 +28,9 @@ PY
 grep -q 'start-slurm.sh' "$W/block.sh" && grep -q 'slurm/status.sh' "$W/block.sh" ||
   fail "no local-Slurm block in docs/cluster.md: $(cat "$W/block.sh")"
 sed -i "s|/tmp/|$W/|g" "$W/block.sh"
-# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them).
-read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2)
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them),
+# reserved while this shell lives (--hold): a trainer test beside it cannot pick them as a MASTER_PORT.
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2 --hold $$)
 export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT PTK_BIN=$BIN
 # The block in one shell (its exports and its background Hub carry from line to line), stopping at the first
 # line that fails; in a process group of its own, which the clean-up ends if a line before `kill %1` failed.

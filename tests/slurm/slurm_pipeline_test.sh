@@ -14,8 +14,9 @@ SRC=$2
 export PATH="$PATH:/usr/sbin:/sbin"
 WORK=$(mktemp -d /tmp/ptk-slurm-XXXXXX)
 export SLURM_LOCAL_DIR=$WORK/s
-# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them).
-read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2)
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them),
+# reserved while this shell lives (--hold): a trainer test beside it cannot pick them as a MASTER_PORT.
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2 --hold $$)
 export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT SLURM_LOCAL_KILL_INVALID_DEPEND=1
 HUB_PID=
 cleanup() {

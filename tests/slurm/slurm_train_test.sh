@@ -18,8 +18,9 @@ SRC=$2
 export PATH="$PATH:/usr/sbin:/sbin"
 WORK=$(mktemp -d /tmp/ptk-strain-XXXXXX)
 export SLURM_LOCAL_DIR=$WORK/s SLURM_LOCAL_GPUS=2
-# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them).
-read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2)
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them),
+# reserved while this shell lives (--hold): a trainer test beside it cannot pick them as a MASTER_PORT.
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2 --hold $$)
 export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT
 cleanup() {
   "$SRC/tests/slurm/stop-slurm.sh" --purge "$SLURM_LOCAL_DIR" >/dev/null 2>&1 || true
@@ -103,25 +104,21 @@ grep -q 'FAILED' "$WORK/wait.out" || { cat "$WORK/wait.out"; fail "the job is no
 echo "   rank 1 killed -> job FAILED after ${elapsed}s (timeout 30 s), not at its time limit"
 
 echo "== 3. two jobs on this node with one MASTER_PORT: the second stops at once naming the first, which runs on"
-# A free port below the ephemeral ones (from 32768), where no outgoing connection can take it meanwhile.
-port=$(python3 -c 'import random, socket
-for _ in range(500):
-    p, s = random.randrange(10000, 32000), socket.socket()
-    try:
-        s.bind(("", p)); print(p); break
-    except OSError:
-        pass')
+# A free port below the ephemeral ones (from 32768), where no outgoing connection can take it meanwhile, reserved
+# while this shell lives as the Slurm ports above.
+read -r port < <(python3 "$SRC/tests/slurm/free-ports.py" 1 --hold $$)
 export MASTER_PORT=$port STAGE_PATH=$WORK/stage3a TRAIN_ITERS=1000000 TRAIN_ARGS=$BASE_ARGS
 mkdir -p "$STAGE_PATH"
 first=$(submit)
 metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
-for _ in $(seq 900); do [ "$(lines "$metrics")" -ge 50 ] && break; sleep 0.1; done
+# Its start, both ranks' and 50 iterations: up to 300 s on a loaded machine, as in 2. (900 polls of 0.1 s were 90 s).
+end=$((SECONDS + 300)); until [ "$(lines "$metrics")" -ge 50 ] || [ $SECONDS -ge $end ]; do sleep 0.1; done
 [ "$(lines "$metrics")" -ge 50 ] || fail "the first job did not start training"
 export STAGE_PATH=$WORK/stage3b
 mkdir -p "$STAGE_PATH"
 second=$(cd "$WORK" && sbatch --parsable -p gpu -N 1 --ntasks-per-node 2 --cpus-per-task 1 \
   --output "$STAGE_PATH/train-%j.out" "$SRC/slurm/train.sbatch") || fail "sbatch the second job"
-set +e; "$WAIT" -t 120 "$second" > "$WORK/wait.out"; WAIT_RC=$?; set -e
+set +e; "$WAIT" -t 300 "$second" > "$WORK/wait.out"; WAIT_RC=$?; set -e
 log=$(ls "$STAGE_PATH"/train-*.out)
 [ "$WAIT_RC" = 1 ] || { cat "$WORK/wait.out" "$log"; fail "the second job did not fail (slurm-wait rc $WAIT_RC)"; }
 theirs="WORLD_SIZE 2, run id SLURM_JOB_ID=$first SLURM_STEP_ID=0"
@@ -131,7 +128,7 @@ grep -q "rank 0: MASTER_PORT $port on this host is held by another ptk rank 0 (h
 grep -q "rendezvous: the rank 0 at .*:$port is another job's (host .*; $theirs), not this rank's ($mine)" "$log" ||
   { cat "$log"; fail "the second job's rank 1 did not name the first job"; }
 seen=$(lines "$metrics")
-for _ in $(seq 600); do [ "$(lines "$metrics")" -gt "$seen" ] && break; sleep 0.1; done
+end=$((SECONDS + 120)); until [ "$(lines "$metrics")" -gt "$seen" ] || [ $SECONDS -ge $end ]; do sleep 0.1; done
 [ "$(lines "$metrics")" -gt "$seen" ] || fail "the first job stopped training"
 [ "$(squeue -h -j "$first" -o %T)" = RUNNING ] || fail "the first job is not running"
 scancel "$first"

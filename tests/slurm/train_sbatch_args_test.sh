@@ -12,8 +12,11 @@ SRC=$2
 export PATH="$PATH:/usr/sbin:/sbin"
 WORK=$(mktemp -d /tmp/ptk-sargs-XXXXXX)
 export SLURM_LOCAL_DIR=$WORK/s
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-export SLURM_LOCAL_CTLD_PORT=$(free_port) SLURM_LOCAL_SLURMD_PORT=$(free_port)
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them;
+# two ports bound at 0 and freed could be taken before slurmctld binds them, or be one port), reserved while this
+# shell lives (--hold): a trainer test beside it cannot pick them as a MASTER_PORT.
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2 --hold $$)
+export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT
 cleanup() {
   "$SRC/tests/slurm/stop-slurm.sh" --purge "$SLURM_LOCAL_DIR" >/dev/null 2>&1 || true
   rm -rf "$WORK"

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -1240,18 +1241,20 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
 // Megatron's Llama line (RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, grouped-query
 // attention, untied, no biases; dropout on) killed with SIGKILL after a checkpoint: --load resumes it
 // bit for bit: its log lines and its last checkpoint's weights are the uninterrupted run's.
+// The killed run cannot end by itself (100000 iterations, its learning rate decayed over the first
+// 40; it ran 40 before, and the kill had to land within the 30 iterations after the checkpoint of
+// iteration 10, however slowly the polling shell was scheduled): the uninterrupted run is made after
+// the kill, to 8 iterations past the checkpoint the kill left (--exit-interval), as the resumed one.
 TEST_F(TrainCli, LlamaLineKilledAndResumedEqualsUninterrupted) {
   const std::string llama =
       "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu "
       "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights "
-      "--save-interval 4 ";
+      "--save-interval 4 --lr-decay-iters 40 ";
   // Checkpoints at even iterations only: a log line (every 2 iterations) holds the mean loss of the
-  // iterations since the last one, so a run resumed from an odd iteration (15, when the kill came
-  // late on a loaded machine) logs at 16 the loss of iteration 16 alone where the uninterrupted run
-  // logs that of 15 and 16, as Megatron does; the lines then differ by design.
-  const int64_t iters = 40;
-  auto whole = RunCmd(Train(llama + "--save " + ShellQuote(dir_ / "a"), iters));
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  // iterations since the last one, so a run resumed from an odd iteration logs at the next even one
+  // the loss of that iteration alone where the uninterrupted run logs that of both, as Megatron does;
+  // the lines then differ by design.
+  const int64_t iters = 100000;
   // Killed as soon as a checkpoint of iteration 10 or later is complete (polled with shell builtins).
   const std::string latest = dir_ / "b/latest_checkpointed_iteration.txt";
   auto killed = RunCmd("bash -c " + ShellQuote(Train(llama + "--save " + ShellQuote(dir_ / "b"), iters) +
@@ -1263,16 +1266,22 @@ TEST_F(TrainCli, LlamaLineKilledAndResumedEqualsUninterrupted) {
   auto at = LatestCheckpointIteration(dir_ / "b");
   ASSERT_TRUE(at.ok()) << at.status();
   ASSERT_GE(*at, 10);
-  ASSERT_LT(*at, iters) << "the run ended before the kill";
-  auto resumed = RunCmd(Train(llama + "--save " + ShellQuote(dir_ / "b") + " --load " + ShellQuote(dir_ / "b"), iters));
+  ASSERT_EQ(*at % 2, 0);
+  const int64_t end = *at + 8;
+  std::printf("killed after iteration %lld's checkpoint; resumed to %lld\n", static_cast<long long>(*at),
+              static_cast<long long>(end));
+  const std::string until = "--exit-interval " + std::to_string(end) + " ";
+  auto whole = RunCmd(Train(llama + until + "--save " + ShellQuote(dir_ / "a"), iters));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto resumed =
+      RunCmd(Train(llama + until + "--save " + ShellQuote(dir_ / "b") + " --load " + ShellQuote(dir_ / "b"), iters));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("at iteration " + std::to_string(*at)), std::string::npos) << resumed.output;
   const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
   // Each run's first iteration logs too (megatron-core 0.16), the next line averaging from there:
   // the resumed run's line of iteration at + 1 is its own, the ones after it the uninterrupted run's.
-  ASSERT_EQ(a.size(), static_cast<size_t>(iters / 2 + 1));
-  ASSERT_EQ(*at % 2, 0);
-  ASSERT_EQ(b.size(), static_cast<size_t>((iters - *at) / 2 + 1)) << resumed.output;
+  ASSERT_EQ(a.size(), static_cast<size_t>(end / 2 + 1)) << whole.output;
+  ASSERT_EQ(b.size(), static_cast<size_t>((end - *at) / 2 + 1)) << resumed.output;
   EXPECT_NE(
       b[0].find("iteration " + std::string(8 - std::to_string(*at + 1).size(), ' ') + std::to_string(*at + 1) + "/"),
       std::string::npos)
