@@ -124,14 +124,17 @@ void RefuseUnimplemented(ptk::cli::Refusals& refused) {
 // Megatron's tokenizer flags (preprocess_data.py takes every tokenizer's) that do not change what its
 // GPT2BPETokenizer writes: accepted, as Megatron accepts them, and each noted when given.
 void IgnoreAsMegatronDoes(ptk::cli::IgnoredFlags& ignored) {
-  ignored.Option("--vocab-size", "the vocab file defines the size");
-  ignored.Option("--padded-vocab-size", "the model's padded vocabulary is training's, not preprocessing's");
-  ignored.Option("--vocab-extra-ids", "preprocess_data.py sets it to 0 (extra ids are BERT's and SentencePiece's)");
+  ignored.Option("--vocab-size", "the vocab file defines the size", ptk::cli::ArgType::kInt);
+  ignored.Option("--padded-vocab-size", "the model's padded vocabulary is training's, not preprocessing's",
+                 ptk::cli::ArgType::kInt);
+  ignored.Option("--vocab-extra-ids", "preprocess_data.py sets it to 0 (extra ids are BERT's and SentencePiece's)",
+                 ptk::cli::ArgType::kInt);
   ignored.Flag("--tokenizer-hf-use-fast", "GPT-2's slow and fast Hugging Face tokenizers give the same ids");
   ignored.Flag("--tokenizer-hf-include-special-tokens", "GPT-2's Hugging Face tokenizer adds no token around a text");
   ignored.Flag("--trust-remote-code", "GPT-2's Hugging Face tokenizer runs no remote code");
   ignored.Option("--tiktoken-pattern", "it goes with --tokenizer-type TikTokenizer");
-  ignored.Option("--tiktoken-num-special-tokens", "it goes with --tokenizer-type TikTokenizer");
+  ignored.Option("--tiktoken-num-special-tokens", "it goes with --tokenizer-type TikTokenizer",
+                 ptk::cli::ArgType::kInt);
   ignored.List("--tiktoken-special-tokens", "it goes with --tokenizer-type TikTokenizer");
   ignored.Flag("--tokenizer-sentencepiece-legacy", "it goes with the SentencePiece --tokenizer-types");
 }
@@ -144,6 +147,7 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, const ptk::cli::Ignor
   if (f.dataset_impl != "mmap")
     return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", f.dataset_impl));
   PTK_RETURN_IF_ERROR(refused.Check());
+  PTK_RETURN_IF_ERROR(ignored.CheckValues());  // --vocab-size abc: refused by Megatron's argparse (type=int)
   // Megatron's GPT2BPETokenizer reads no model; but Megatron has no default --tokenizer-type, so a model
   // without one is a SentencePiece/tiktoken run meant, which ptk's GPT-2 default would silently replace.
   if (f.tokenizer_model && *f.tokenizer_model != "None") {

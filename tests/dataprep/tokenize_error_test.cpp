@@ -438,6 +438,48 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
   EXPECT_NE(testing::ReadFile(dir / "legacy_text_document.bin"), want);
 }
 
+// The ignored flags' values are typed as Megatron's argparse types them: --vocab-size abc was accepted
+// and ignored, where preprocess_data.py stops at "argument --vocab-size: invalid int value: 'abc'"
+// (type=int: Python's int(), which takes whitespace around, a sign and '_' between digits). Refused
+// before anything is written; a str flag takes any text.
+TEST(TokenizeErrors, IgnoredMegatronFlagsTakeOnlyWhatItsArgparseTakes) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n");
+  const std::string base = fmt::format("--input {} --tokenizer-type GPT2BPETokenizer", dir / "in.jsonl");
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--vocab-size abc", "argument --vocab-size: invalid int value: 'abc'"},
+      {"--padded-vocab-size=50304.0", "argument --padded-vocab-size: invalid int value: '50304.0'"},
+      {"--vocab-extra-ids 1e3", "argument --vocab-extra-ids: invalid int value: '1e3'"},
+      {"--tiktoken-num-special-tokens 1__000", "argument --tiktoken-num-special-tokens: invalid int value: '1__000'"},
+      {"--vocab-size 0x10", "argument --vocab-size: invalid int value: '0x10'"},
+      {"--vocab-size \"it's\"", "argument --vocab-size: invalid int value: \"it's\""},
+      {"--vocab-size ''", "argument --vocab-size: invalid int value: ''"},
+  };
+  for (const auto& [flags, message] : refused) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, dir / "r")));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("ptk-tokenize: usage error: " + message +
+                            " (the flag is ignored, as Megatron does with GPT2BPETokenizer, but its argparse takes "
+                            "only an int)"),
+              std::string::npos)
+        << flags << "\n"
+        << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "r_text_document.bin")) << flags;
+  }
+  const std::vector<std::pair<std::string, std::string>> taken = {
+      {"--vocab-size ' 50_257 '", "--vocab-size  50_257 : ignored"},
+      {"--vocab-extra-ids=+0", "--vocab-extra-ids +0: ignored"},
+      {"--tiktoken-num-special-tokens 0100", "--tiktoken-num-special-tokens 0100: ignored"},
+      {"--tiktoken-pattern 1.5", "--tiktoken-pattern 1.5: ignored"},
+  };
+  int i = 0;
+  for (const auto& [flags, note] : taken) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, dir / fmt::format("t{}", i++))));
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
+  }
+}
+
 // Argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
 // (prefixes of --vocab-file and --merge-file); --flag=value works; a typo gets the closest flag; an
 // ambiguous prefix lists the candidates.
