@@ -126,9 +126,11 @@ class IgnoredFlags {
   void Option(const std::string& names, std::string why, ArgType type = ArgType::kStr) {
     Add(app_.add_option(names)->expected(1), std::move(why), type);
   }
-  // An option with one value or more (argparse's nargs='+').
-  void List(const std::string& names, std::string why) {
-    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  // An option with one value or more (argparse's nargs='+'); returned for a tool that checks its values.
+  const CLI::Option* List(const std::string& names, std::string why) {
+    CLI::Option* opt = app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args();
+    Add(opt, std::move(why));
+    return opt;
   }
   // After parsing: a usage error for the first value given that the program's argparse would refuse,
   // in its words ("argument --vocab-size: invalid int value: 'abc' ...").

@@ -390,6 +390,33 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find(dir / "in.jsonl is not a directory"), std::string::npos) << baddir.output;
 }
 
+// --tokenizer-special-tokens was refused whatever its values. megatron-core 0.16.1's GPT2BPETokenizer adds
+// them to the Hugging Face GPT-2 tokenizer as special tokens: <|endoftext|> is one already (the same ids:
+// the caller's list), any other changes ids (a new id, or a vocabulary token split out of words:
+// tests/support/check_gpt2_special_tokens.py) and is refused naming it; the legacy tokenizer reads none.
+void ExpectSpecialTokensAsMegatrons(const std::string& base, const TempDir& dir, const std::string& legacy) {
+  for (const std::string token : {"<a>", "hello"}) {
+    auto r = RunCmd(Tok(
+        fmt::format("{} --tokenizer-special-tokens '<|endoftext|>' '{}' --output-prefix {}", base, token, dir / "s")));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--tokenizer-special-tokens " + token +
+                            ": not supported: Megatron's GPT2BPETokenizer (the Hugging Face GPT-2 tokenizer) adds it "
+                            "as a special token, which changes the ids"),
+              std::string::npos)
+        << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "s_text_document.bin"));
+  }
+  auto r = RunCmd(Tok(fmt::format("{} --legacy-tokenizer --tokenizer-special-tokens '<a>' hello --output-prefix {}",
+                                  base, dir / "ls")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: --tokenizer-special-tokens <a> hello: ignored, as Megatron does with "
+                          "GPT2BPETokenizer: <|endoftext|> is GPT-2's special token already, and the legacy "
+                          "tokenizer (--legacy-tokenizer) reads none"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "ls_text_document.bin"), legacy);
+}
+
 // Megatron's preprocess_data.py takes every tokenizer's flags and its GPT2BPETokenizer reads few.
 // Regression: --vocab-size was refused and the others were unknown flags, where Megatron runs the line
 // and writes what it writes without them. Now each is accepted with a warning and changes no byte;
@@ -414,6 +441,9 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
       {"--tiktoken-special-tokens '<unk>' '<s>'", "--tiktoken-special-tokens <unk> <s>: ignored"},
       {"--tokenizer-sentencepiece-legacy", "--tokenizer-sentencepiece-legacy: ignored"},
       {"--tokenizer-model m.model", "--tokenizer-model m.model: ignored, as Megatron does with GPT2BPETokenizer"},
+      {"--tokenizer-special-tokens '<|endoftext|>'", "--tokenizer-special-tokens <|endoftext|>: ignored"},
+      {"--tokenizer-special-tokens '<|endoftext|>' '<|endoftext|>'",
+       "--tokenizer-special-tokens <|endoftext|> <|endoftext|>: ignored"},
   };
   int i = 0;
   for (const auto& [flags, note] : ignored) {
@@ -423,7 +453,7 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
     EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
     EXPECT_EQ(testing::ReadFile(prefix + "_text_document.bin"), want) << flags;
   }
-  for (const char* refused : {"--tokenizer-special-tokens '<a>' '<b>'", "--tokenizer-metadata meta.json"}) {
+  for (const char* refused : {"--tokenizer-metadata meta.json"}) {
     auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, refused, dir / "r")));
     EXPECT_EQ(r.exit_code, 2) << refused << "\n" << r.output;
     EXPECT_NE(r.output.find(std::string(refused).substr(0, std::string(refused).find(' ')) + " is not supported: "),
@@ -436,6 +466,7 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
   ASSERT_EQ(as_text.exit_code, 0) << as_text.output;
   EXPECT_EQ(testing::ReadFile(dir / "legacy_text_document.bin"), testing::ReadFile(dir / "as_text_text_document.bin"));
   EXPECT_NE(testing::ReadFile(dir / "legacy_text_document.bin"), want);
+  ExpectSpecialTokensAsMegatrons(base, dir, testing::ReadFile(dir / "legacy_text_document.bin"));
 }
 
 // The ignored flags' values are typed as Megatron's argparse types them: --vocab-size abc was accepted
