@@ -107,28 +107,48 @@ class Refusals {
   std::vector<std::pair<const CLI::Option*, std::string>> refused_;
 };
 
+// The type an argparse option converts its value with (type=int; str by default).
+enum class ArgType { kStr, kInt };
+
+// Whether `text` is what Python's int() reads in base 10 (argparse's type=int): ASCII whitespace around,
+// a sign, decimal digits with single underscores between them ("1_000"); not "1.0", "1e3", "0x10", "".
+bool IsPythonInt(const std::string& text);
+
 // Flags of the program a tool replaces that it accepts and ignores there too (in kIgnoredGroup):
 // Megatron's preprocess_data.py takes every tokenizer's flags, and its GPT2BPETokenizer reads few.
-// Their values are taken as text, as they are used for nothing.
+// Their values are used for nothing, but one that the program's argparse refuses (--vocab-size abc,
+// type=int) is refused too: CheckValues.
 class IgnoredFlags {
  public:
   // `as`: how the program replaced ignores them ("as Megatron does with GPT2BPETokenizer").
   IgnoredFlags(CLI::App& app, std::string as) : app_(app), as_(std::move(as)) {}
   void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
-  void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
-  // An option with one value or more (argparse's nargs='+').
-  void List(const std::string& names, std::string why) {
-    Add(app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args(), std::move(why));
+  void Option(const std::string& names, std::string why, ArgType type = ArgType::kStr) {
+    Add(app_.add_option(names)->expected(1), std::move(why), type);
   }
+  // An option with one value or more (argparse's nargs='+'); returned for a tool that checks its values.
+  const CLI::Option* List(const std::string& names, std::string why) {
+    CLI::Option* opt = app_.add_option(names)->expected(1, CLI::detail::expected_max_vector_size)->allow_extra_args();
+    Add(opt, std::move(why));
+    return opt;
+  }
+  // After parsing: a usage error for the first value given that the program's argparse would refuse,
+  // in its words ("argument --vocab-size: invalid int value: 'abc' ...").
+  absl::Status CheckValues() const;
   // After parsing: a warning line for each one given ("--vocab-size 50257: ignored, as Megatron does
   // with GPT2BPETokenizer: the vocab file defines the size").
   void Note() const;
 
  private:
-  void Add(CLI::Option* opt, std::string why);
+  struct Ignored {
+    const CLI::Option* opt;
+    std::string why;
+    ArgType type;
+  };
+  void Add(CLI::Option* opt, std::string why, ArgType type = ArgType::kStr);
   CLI::App& app_;
   std::string as_;
-  std::vector<std::pair<const CLI::Option*, std::string>> ignored_;
+  std::vector<Ignored> ignored_;
 };
 
 // The range every numeric flag carries where it is declared (CheckOptionTable refuses a numeric

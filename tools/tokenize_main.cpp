@@ -28,6 +28,7 @@ struct TokenizeFlags {
   std::optional<std::string> tokenizer_model;
   bool preproc_folder = false, legacy_tokenizer = false;
   CLI::Option* tokenizer_type_opt = nullptr;
+  const CLI::Option* special_tokens_opt = nullptr;    // --tokenizer-special-tokens (ignored or refused)
   ptk::CpuBudget cpus = ptk::ThisProcessCpuBudget();  // --workers' default
   int workers = cpus.cpus;
   CLI::Option* workers_opt = nullptr;
@@ -114,26 +115,48 @@ void RefuseUnimplemented(ptk::cli::Refusals& refused) {
   for (const char* retrieval :
        {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size", "--chunk_stride_size,--chunk-stride-size"})
     refused.Option(retrieval, "NeMo retrieval data is not implemented");
-  // Megatron's tokenizer flags that change what GPT2BPETokenizer writes.
-  refused.List("--tokenizer-special-tokens",
-               "Megatron's GPT2BPETokenizer adds them to GPT-2's vocabulary, each then one new id; ptk keeps GPT-2's");
+  // Megatron's tokenizer flags that change what GPT2BPETokenizer writes (--tokenizer-special-tokens:
+  // its values other than <|endoftext|>, CheckSpecialTokens).
   refused.Option("--tokenizer-metadata",
                  "it chooses the tokenizer's library and class from a JSON file; ptk implements GPT2BPETokenizer");
 }
 
 // Megatron's tokenizer flags (preprocess_data.py takes every tokenizer's) that do not change what its
 // GPT2BPETokenizer writes: accepted, as Megatron accepts them, and each noted when given.
-void IgnoreAsMegatronDoes(ptk::cli::IgnoredFlags& ignored) {
-  ignored.Option("--vocab-size", "the vocab file defines the size");
-  ignored.Option("--padded-vocab-size", "the model's padded vocabulary is training's, not preprocessing's");
-  ignored.Option("--vocab-extra-ids", "preprocess_data.py sets it to 0 (extra ids are BERT's and SentencePiece's)");
+void IgnoreAsMegatronDoes(ptk::cli::IgnoredFlags& ignored, TokenizeFlags* f) {
+  ignored.Option("--vocab-size", "the vocab file defines the size", ptk::cli::ArgType::kInt);
+  ignored.Option("--padded-vocab-size", "the model's padded vocabulary is training's, not preprocessing's",
+                 ptk::cli::ArgType::kInt);
+  ignored.Option("--vocab-extra-ids", "preprocess_data.py sets it to 0 (extra ids are BERT's and SentencePiece's)",
+                 ptk::cli::ArgType::kInt);
   ignored.Flag("--tokenizer-hf-use-fast", "GPT-2's slow and fast Hugging Face tokenizers give the same ids");
   ignored.Flag("--tokenizer-hf-include-special-tokens", "GPT-2's Hugging Face tokenizer adds no token around a text");
   ignored.Flag("--trust-remote-code", "GPT-2's Hugging Face tokenizer runs no remote code");
   ignored.Option("--tiktoken-pattern", "it goes with --tokenizer-type TikTokenizer");
-  ignored.Option("--tiktoken-num-special-tokens", "it goes with --tokenizer-type TikTokenizer");
+  ignored.Option("--tiktoken-num-special-tokens", "it goes with --tokenizer-type TikTokenizer",
+                 ptk::cli::ArgType::kInt);
   ignored.List("--tiktoken-special-tokens", "it goes with --tokenizer-type TikTokenizer");
   ignored.Flag("--tokenizer-sentencepiece-legacy", "it goes with the SentencePiece --tokenizer-types");
+  f->special_tokens_opt = ignored.List(
+      "--tokenizer-special-tokens",
+      "<|endoftext|> is GPT-2's special token already, and the legacy tokenizer (--legacy-tokenizer) reads none");
+}
+
+// --tokenizer-special-tokens: megatron-core 0.16.1's GPT2BPETokenizer (the Hugging Face GPT-2 tokenizer)
+// adds them as special tokens, which changes its ids for any but <|endoftext|>; the legacy one reads
+// none (tests/support/check_gpt2_special_tokens.py).
+absl::Status CheckSpecialTokens(const TokenizeFlags& f) {
+  if (f.legacy_tokenizer) return absl::OkStatus();
+  for (const std::string& token : f.special_tokens_opt->results())
+    if (token != "<|endoftext|>")
+      return ptk::UsageError(fmt::format(
+          "--tokenizer-special-tokens {}: not supported: Megatron's GPT2BPETokenizer (the Hugging Face GPT-2 "
+          "tokenizer) adds it as a special token, which changes the ids: a new id after GPT-2's 50257 where the "
+          "text holds it, or, for a token of GPT-2's vocabulary, split out of the words that hold it; ptk keeps "
+          "GPT-2's tokens. Only <|endoftext|> (GPT-2's special token already) changes nothing, and with "
+          "--legacy-tokenizer Megatron reads none",
+          token));
+  return absl::OkStatus();
 }
 
 // The checks the option table cannot make, then TokenizeOptions completed from the flags.
@@ -144,6 +167,8 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, const ptk::cli::Ignor
   if (f.dataset_impl != "mmap")
     return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", f.dataset_impl));
   PTK_RETURN_IF_ERROR(refused.Check());
+  PTK_RETURN_IF_ERROR(ignored.CheckValues());  // --vocab-size abc: refused by Megatron's argparse (type=int)
+  PTK_RETURN_IF_ERROR(CheckSpecialTokens(f));
   // Megatron's GPT2BPETokenizer reads no model; but Megatron has no default --tokenizer-type, so a model
   // without one is a SentencePiece/tiktoken run meant, which ptk's GPT-2 default would silently replace.
   if (f.tokenizer_model && *f.tokenizer_model != "None") {
@@ -246,7 +271,7 @@ int main(int argc, char** argv) {
   ptk::cli::Refusals refused(*app);
   RefuseUnimplemented(refused);
   ptk::cli::IgnoredFlags ignored(*app, "as Megatron does with GPT2BPETokenizer");
-  IgnoreAsMegatronDoes(ignored);
+  IgnoreAsMegatronDoes(ignored, &f);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {

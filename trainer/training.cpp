@@ -40,8 +40,7 @@ Trainer::Trainer(const TrainOptions& options, const TrainPlan& plan, Communicato
       data_rank_(rank_ / cp_),
       data_size_(dp_ / cp_),
       lead_(world_->rank() == 0),
-      last_(world_->rank() == world_->size() - 1),
-      tb_writer_(rank_ == 0 && (!tensor_ || tensor_->rank() == 0) && (!pipe_ || pipe_->rank() == pipe_->size() - 1)) {}
+      last_(world_->rank() == world_->size() - 1) {}
 
 absl::StatusOr<TrainSummary> Trainer::Run() {
   started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();

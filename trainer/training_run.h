@@ -126,8 +126,9 @@ class Trainer {
   const int rank_, dp_, cp_, data_rank_, data_size_;
   std::vector<int64_t> context_positions_;  // this context rank's positions of each sample
   const bool lead_;                         // world rank 0: print_rank_0's lines, the checkpoint's writer
-  const bool last_;                         // the last world rank: print_rank_last's lines
-  const bool tb_writer_;  // events and metrics: the last stage's data and tensor rank 0 (Megatron's last rank)
+  // The last world rank: print_rank_last's lines, and the TensorBoard events and --metrics-file (Megatron's
+  // _set_tensorboard_writer: rank world_size - 1), which hold the same reduced values as its log line.
+  const bool last_;
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;

@@ -158,7 +158,7 @@ absl::Status Trainer::OpenDataAndOutputs() {
                 : "",
         plan_.global_batch_size);
   PTK_RETURN_IF_ERROR(
-      OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
+      OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, last_, &outputs_));
   train_loader_ = std::make_unique<DataLoader>(
       data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, data_rank_, data_size_),
       mbs);

@@ -390,6 +390,33 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find(dir / "in.jsonl is not a directory"), std::string::npos) << baddir.output;
 }
 
+// --tokenizer-special-tokens was refused whatever its values. megatron-core 0.16.1's GPT2BPETokenizer adds
+// them to the Hugging Face GPT-2 tokenizer as special tokens: <|endoftext|> is one already (the same ids:
+// the caller's list), any other changes ids (a new id, or a vocabulary token split out of words:
+// tests/support/check_gpt2_special_tokens.py) and is refused naming it; the legacy tokenizer reads none.
+void ExpectSpecialTokensAsMegatrons(const std::string& base, const TempDir& dir, const std::string& legacy) {
+  for (const std::string token : {"<a>", "hello"}) {
+    auto r = RunCmd(Tok(
+        fmt::format("{} --tokenizer-special-tokens '<|endoftext|>' '{}' --output-prefix {}", base, token, dir / "s")));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--tokenizer-special-tokens " + token +
+                            ": not supported: Megatron's GPT2BPETokenizer (the Hugging Face GPT-2 tokenizer) adds it "
+                            "as a special token, which changes the ids"),
+              std::string::npos)
+        << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "s_text_document.bin"));
+  }
+  auto r = RunCmd(Tok(fmt::format("{} --legacy-tokenizer --tokenizer-special-tokens '<a>' hello --output-prefix {}",
+                                  base, dir / "ls")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: --tokenizer-special-tokens <a> hello: ignored, as Megatron does with "
+                          "GPT2BPETokenizer: <|endoftext|> is GPT-2's special token already, and the legacy "
+                          "tokenizer (--legacy-tokenizer) reads none"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "ls_text_document.bin"), legacy);
+}
+
 // Megatron's preprocess_data.py takes every tokenizer's flags and its GPT2BPETokenizer reads few.
 // Regression: --vocab-size was refused and the others were unknown flags, where Megatron runs the line
 // and writes what it writes without them. Now each is accepted with a warning and changes no byte;
@@ -414,6 +441,9 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
       {"--tiktoken-special-tokens '<unk>' '<s>'", "--tiktoken-special-tokens <unk> <s>: ignored"},
       {"--tokenizer-sentencepiece-legacy", "--tokenizer-sentencepiece-legacy: ignored"},
       {"--tokenizer-model m.model", "--tokenizer-model m.model: ignored, as Megatron does with GPT2BPETokenizer"},
+      {"--tokenizer-special-tokens '<|endoftext|>'", "--tokenizer-special-tokens <|endoftext|>: ignored"},
+      {"--tokenizer-special-tokens '<|endoftext|>' '<|endoftext|>'",
+       "--tokenizer-special-tokens <|endoftext|> <|endoftext|>: ignored"},
   };
   int i = 0;
   for (const auto& [flags, note] : ignored) {
@@ -423,7 +453,7 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
     EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
     EXPECT_EQ(testing::ReadFile(prefix + "_text_document.bin"), want) << flags;
   }
-  for (const char* refused : {"--tokenizer-special-tokens '<a>' '<b>'", "--tokenizer-metadata meta.json"}) {
+  for (const char* refused : {"--tokenizer-metadata meta.json"}) {
     auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, refused, dir / "r")));
     EXPECT_EQ(r.exit_code, 2) << refused << "\n" << r.output;
     EXPECT_NE(r.output.find(std::string(refused).substr(0, std::string(refused).find(' ')) + " is not supported: "),
@@ -436,6 +466,49 @@ TEST(TokenizeErrors, TokenizerFlagsMegatronIgnoresForGpt2AreNotedNotRefused) {
   ASSERT_EQ(as_text.exit_code, 0) << as_text.output;
   EXPECT_EQ(testing::ReadFile(dir / "legacy_text_document.bin"), testing::ReadFile(dir / "as_text_text_document.bin"));
   EXPECT_NE(testing::ReadFile(dir / "legacy_text_document.bin"), want);
+  ExpectSpecialTokensAsMegatrons(base, dir, testing::ReadFile(dir / "legacy_text_document.bin"));
+}
+
+// The ignored flags' values are typed as Megatron's argparse types them: --vocab-size abc was accepted
+// and ignored, where preprocess_data.py stops at "argument --vocab-size: invalid int value: 'abc'"
+// (type=int: Python's int(), which takes whitespace around, a sign and '_' between digits). Refused
+// before anything is written; a str flag takes any text.
+TEST(TokenizeErrors, IgnoredMegatronFlagsTakeOnlyWhatItsArgparseTakes) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n");
+  const std::string base = fmt::format("--input {} --tokenizer-type GPT2BPETokenizer", dir / "in.jsonl");
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--vocab-size abc", "argument --vocab-size: invalid int value: 'abc'"},
+      {"--padded-vocab-size=50304.0", "argument --padded-vocab-size: invalid int value: '50304.0'"},
+      {"--vocab-extra-ids 1e3", "argument --vocab-extra-ids: invalid int value: '1e3'"},
+      {"--tiktoken-num-special-tokens 1__000", "argument --tiktoken-num-special-tokens: invalid int value: '1__000'"},
+      {"--vocab-size 0x10", "argument --vocab-size: invalid int value: '0x10'"},
+      {"--vocab-size \"it's\"", "argument --vocab-size: invalid int value: \"it's\""},
+      {"--vocab-size ''", "argument --vocab-size: invalid int value: ''"},
+  };
+  for (const auto& [flags, message] : refused) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, dir / "r")));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("ptk-tokenize: usage error: " + message +
+                            " (the flag is ignored, as Megatron does with GPT2BPETokenizer, but its argparse takes "
+                            "only an int)"),
+              std::string::npos)
+        << flags << "\n"
+        << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "r_text_document.bin")) << flags;
+  }
+  const std::vector<std::pair<std::string, std::string>> taken = {
+      {"--vocab-size ' 50_257 '", "--vocab-size  50_257 : ignored"},
+      {"--vocab-extra-ids=+0", "--vocab-extra-ids +0: ignored"},
+      {"--tiktoken-num-special-tokens 0100", "--tiktoken-num-special-tokens 0100: ignored"},
+      {"--tiktoken-pattern 1.5", "--tiktoken-pattern 1.5: ignored"},
+  };
+  int i = 0;
+  for (const auto& [flags, note] : taken) {
+    auto r = RunCmd(Tok(fmt::format("{} {} --output-prefix {}", base, flags, dir / fmt::format("t{}", i++))));
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("warning: " + note), std::string::npos) << flags << "\n" << r.output;
+  }
 }
 
 // Argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge

@@ -668,12 +668,41 @@ TEST_F(TrainCli, ExitDurationStopsAnEvaluationAsMegatron) {
 
 std::string Port() { return std::to_string(testing::FreeTestPort()); }
 
+// TensorBoard's events and metrics.jsonl come from the last rank, as Megatron's writer (rank world_size - 1):
+// the one event file is named with rank 1's pid, which says where it writes, and metrics.jsonl holds the loss
+// of rank 1's first log line (iteration 1's alone; later lines average their interval's). Before, rank 0 wrote them
+// (the last stage's first data rank), its pid in the name.
+void ExpectTensorBoardFromTheLastRank(const std::string& tb, const std::string& r0, const std::string& r1) {
+  std::smatch pid;
+  ASSERT_TRUE(std::regex_search(r0, pid, std::regex("pid1=(\\d+)"))) << r0;
+  EXPECT_EQ(EventFiles(tb), 1);
+  const std::string events = "TensorBoard events: " + tb + "/events.out.tfevents.";
+  EXPECT_EQ(r0.find(events), std::string::npos) << r0;
+  std::smatch named;  // the path, then the pid in the file's name
+  ASSERT_TRUE(std::regex_search(r1, named,
+                                std::regex(R"(TensorBoard events: (\S+/events\.out\.tfevents\.\d+\.\S+\.(\d+)\.0)\n)")))
+      << r1;
+  EXPECT_EQ(named[2], pid[1]) << "the event file is not rank 1's:\n" << r1;
+  EXPECT_TRUE(testing::Exists(named[1])) << named[1];
+  const std::string metrics = testing::ReadFile(tb + "/metrics.jsonl");
+  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 8) << metrics;
+  std::smatch logged, written;
+  ASSERT_TRUE(std::regex_search(r1, logged, std::regex(R"(iteration +1/ +8 \|.*\| lm loss: ([0-9.]+E[-+]\d\d) \|)")))
+      << r1;
+  ASSERT_TRUE(std::regex_search(metrics, written, std::regex(R"(\{"iteration": 1, [^\n]*"lm_loss": ([0-9.e+-]+),)")))
+      << metrics;
+  EXPECT_NEAR(std::stod(written[1]), std::stod(logged[1]), 1e-5 * std::stod(logged[1])) << metrics << r1;
+}
+
 TEST_F(TrainCli, TwoRanksEqualOneRank) {
   ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "one") + " --threads 1")).exit_code, 0);
-  const std::string two = Train("--save " + ShellQuote(dir_ / "two") + " --threads 1");
-  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
-                                          "; RANK=1 " + two + " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & RANK=0 " +
-                                          two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  const std::string tb = dir_ / "tb";
+  const std::string two =
+      Train("--save " + ShellQuote(dir_ / "two") + " --threads 1 --tensorboard-dir " + ShellQuote(tb));
+  auto r =
+      RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() + "; RANK=1 " +
+                                     two + " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & echo pid1=$!; RANK=0 " + two +
+                                     "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
   EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables)"), std::string::npos) << r.output;
   // Megatron's line of the sizes (validate_args' print_rank_0), from rank 0 only.
@@ -696,6 +725,7 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
   // print_rank_0's lines stay rank 0's.
   EXPECT_NE(r.output.find("[after training is done] datetime: "), std::string::npos) << r.output;
   EXPECT_EQ(r1.find("[after training is done] datetime: "), std::string::npos) << r1;
+  ExpectTensorBoardFromTheLastRank(tb, r.output, r1);
   Saved a = Load(dir_ / "one", 8), b = Load(dir_ / "two", 8);
   ASSERT_EQ(a.params.size(), b.params.size());
   double num = 0, den = 0;
