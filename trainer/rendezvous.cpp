@@ -108,10 +108,11 @@ int Dial(const std::string& host, int port, std::string* last, absl::Status* bad
 // How long a rank waits for a ptk rank 0 that holds its connection open but does not answer yet (the
 // question of PortHolder, a rank's hello), at most the rank's timeout. A ptk rank 0 answers within
 // moments (its store has a thread of its own), but on a machine starved of CPU or memory (two jobs'
-// ranks on two cores) that thread may not run for seconds: 2 s, then 10 s, named a starved ptk rank 0
-// "a program that did not answer". Only a listener that stays silent waits this long (a program that is
-// not ptk, or a ptk rank 0 that hangs or is stopped); every definite answer ends the wait at once: a
-// refused connection, one closed or reset, any reply.
+// ranks on two cores) that thread may not run for seconds (the old waits, 2 s for the question and
+// 10 s for the hello, named such a rank 0 "a program that did not answer"). Only a listener that
+// stays silent waits this long (a program that is not ptk, or a ptk rank 0 that hangs or is
+// stopped); every definite answer ends the wait at once: a refused connection, one closed or reset,
+// any reply.
 constexpr std::chrono::seconds kSilentRankZeroWait{30};
 
 std::chrono::milliseconds SilentRankZeroWait(std::chrono::milliseconds timeout) {
