@@ -1,6 +1,8 @@
 // A rank's long local phases, ended when another rank reports its own failure (see phase_watch.h).
 #include "trainer/phase_watch.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -27,6 +29,29 @@ void LocalPhaseWatch::End() {
   if (thread_.joinable()) thread_.join();
 }
 
+namespace {
+
+// This process's CPU time so far (all its threads); the wall clock's where it cannot be read.
+std::chrono::nanoseconds ProcessCpu() {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return std::chrono::steady_clock::now().time_since_epoch();
+  return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+}
+
+}  // namespace
+
+bool LocalPhaseWatch::WaitGrace(std::unique_lock<std::mutex>& lock) {
+  const auto cpu0 = ProcessCpu();
+  const auto at_most = std::chrono::steady_clock::now() + timing_.grace_at_most;
+  // Checked every 20 ms (or the grace, if shorter): a clock read, nothing sent.
+  const auto step =
+      std::clamp<std::chrono::milliseconds>(timing_.grace, std::chrono::milliseconds(1), std::chrono::milliseconds(20));
+  for (;;) {
+    if (cv_.wait_for(lock, step, [this] { return ended_; })) return true;
+    if (ProcessCpu() - cpu0 >= timing_.grace || std::chrono::steady_clock::now() >= at_most) return false;
+  }
+}
+
 void LocalPhaseWatch::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   std::string exited;  // a rank killed (no report): its connection to rank 0's store closed
@@ -41,7 +66,7 @@ void LocalPhaseWatch::Run() {
   }
   // A phase that ends within the grace meets the failure at its next collective and unwinds as any
   // failure does (what this run made removed); one still busy is ended from here.
-  if (cv_.wait_for(lock, timing_.grace, [this] { return ended_; })) return;
+  if (WaitGrace(lock)) return;
   const std::string phase = phase_;
   lock.unlock();
   FailedCall me;

@@ -105,15 +105,32 @@ int Dial(const std::string& host, int port, std::string* last, absl::Status* bad
   return out;
 }
 
+// How long a rank waits for a ptk rank 0 that holds its connection open but does not answer yet (the
+// question of PortHolder, a rank's hello), at most the rank's timeout. A ptk rank 0 answers within
+// moments (its store has a thread of its own), but on a machine starved of CPU or memory (two jobs'
+// ranks on two cores) that thread may not run for seconds (the old waits, 2 s for the question and
+// 10 s for the hello, named such a rank 0 "a program that did not answer"). Only a listener that
+// stays silent waits this long (a program that is not ptk, or a ptk rank 0 that hangs or is
+// stopped); every definite answer ends the wait at once: a refused connection, one closed or reset,
+// any reply.
+constexpr std::chrono::seconds kSilentRankZeroWait{30};
+
+std::chrono::milliseconds SilentRankZeroWait(std::chrono::milliseconds timeout) {
+  return std::min<std::chrono::milliseconds>(kSilentRankZeroWait, timeout);
+}
+
+// "4 s", "0.5 s": a wait in a message.
+std::string Seconds(std::chrono::milliseconds wait) { return fmt::format("{} s", wait.count() / 1000.0); }
+
 // Who holds `port` on this host, which this rank 0 could not bind: another ptk rank 0 (its Info), or
-// something else (*ptk false).
-std::string PortHolder(int port, bool* ptk) {
+// something else (*ptk false). A silent holder is waited for up to `wait`.
+std::string PortHolder(int port, std::chrono::milliseconds wait, bool* ptk) {
   *ptk = false;
   std::string last;
   absl::Status bad;
   const int fd = Dial("127.0.0.1", port, &last, &bad);
   if (fd < 0) return fmt::format("a program that does not accept connections on 127.0.0.1 ({})", last);
-  SetReceiveTimeout(fd, std::chrono::seconds(2));
+  SetReceiveTimeout(fd, wait);
   const uint8_t op = static_cast<uint8_t>(kInfo);
   std::string text;
   ServerInfo info;
@@ -122,8 +139,9 @@ std::string PortHolder(int port, bool* ptk) {
   const bool silent = !answered && (errno == EAGAIN || errno == EWOULDBLOCK);
   ::close(fd);
   if (silent)
-    return "a program that did not answer ptk's question within 2 s (not a ptk rendezvous, or a ptk rank 0 that "
-           "hangs)";
+    return fmt::format(
+        "a program that did not answer ptk's question within {} (not a ptk rendezvous, or a ptk rank 0 that hangs)",
+        Seconds(wait));
   if (!answered || !ParseServerInfo(text, &info))
     return "a program that is not a ptk rendezvous (it did not answer ptk's question as ptk does)";
   *ptk = true;
@@ -150,7 +168,7 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(
         !started.ok()) {
       if (s->server_->bind_errno() != EADDRINUSE) return started;
       bool ptk = false;
-      const std::string holder = PortHolder(port, &ptk);
+      const std::string holder = PortHolder(port, SilentRankZeroWait(timeout), &ptk);
       return absl::FailedPreconditionError(
           fmt::format("rank 0: {} on this host is held by {}, this job being {}: {}",
                       RendezvousPortWords(port, torchrun_store_port), holder, JobWords(world_size, run_id),
@@ -190,9 +208,9 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(
 }
 
 absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::string* last, int* closed) {
-  // A ptk rank 0 answers at once (its store has a thread of its own): a listener silent for seconds
-  // is not one, or hangs.
-  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(10), timeout_);
+  // A ptk rank 0 answers at once unless starved (kSilentRankZeroWait): a listener silent that long is
+  // not one, or hangs.
+  const auto wait = SilentRankZeroWait(timeout_);
   SetReceiveTimeout(fd_, wait);
   const std::string where = RendezvousAddressWords(addr, port, torchrun_store_port_);
   const std::string not_ptk =
@@ -203,9 +221,9 @@ absl::Status RendezvousStore::Hello(const std::string& addr, int port, std::stri
   const absl::Status hello = Request(kHello, std::to_string(rank_), &value, nullptr, &ack);
   if (absl::IsDeadlineExceeded(hello))
     return absl::FailedPreconditionError(fmt::format(
-        "rendezvous: what listens at {} did not answer ptk's hello within {} s: not a ptk rank 0 (or one that hangs); "
+        "rendezvous: what listens at {} did not answer ptk's hello within {}: not a ptk rank 0 (or one that hangs); "
         "{}",
-        where, wait.count() / 1000.0, not_ptk));
+        where, Seconds(wait), not_ptk));
   if (!hello.ok()) {  // closed: a rank 0 ending its store, once; what closes every time is not ptk
     if (++*closed >= 3)
       return absl::FailedPreconditionError(fmt::format(

@@ -37,7 +37,7 @@ class RendezvousStore {
   // one line naming the address and both jobs, nothing joined): a rank whose WORLD_SIZE or run id is
   // not rank 0's (another job on this MASTER_PORT); a rank whose number is connected now (another job
   // launched alike, or a rank started twice); a listener that is not ptk's rendezvous (its answer, or
-  // none within 10 s, or closing three times); a rank 0 whose port another process holds (named: a
+  // none within 30 s or the timeout, or closing three times); a rank 0 whose port another process holds (named: a
   // ptk rank 0 and its job, or not ptk). A store that a rank of this number joined and left refuses
   // it too (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a
   // fresh rank 0 serves, or the timeout. Every message names the port as RendezvousPortWords does

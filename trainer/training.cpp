@@ -45,7 +45,7 @@ Trainer::Trainer(const TrainOptions& options, const TrainPlan& plan, Communicato
 absl::StatusOr<TrainSummary> Trainer::Run() {
   started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();
   auto t0 = Clock::now();
-  // Another rank's reported failure ends this rank's start-up within a second or two, not at its end.
+  // Another rank's reported failure ends this rank's start-up within seconds (phase_watch.h), not at its end.
   LocalPhaseWatch start_up(world_->failure_store(), AbandonedOnStop(o_.on_peer_failure, &save_dir_),
                            "building the model");
   PTK_RETURN_IF_ERROR(SetUp());

@@ -67,13 +67,16 @@ struct Stopped {
       ++calls;
     };
   }
-  std::optional<absl::Status> Wait() {  // bounded: the watch's poll and grace are 20 ms and 100 ms here
-    for (int i = 0; i < 1000; ++i) {
+  // Waits, at most 10 s, for the stop. `busy`: as a phase still at work, spending CPU time meanwhile
+  // (the watch's grace is counted in it); else asleep, as a phase that does not run.
+  std::optional<absl::Status> Wait(bool busy = true) {
+    const auto end = std::chrono::steady_clock::now() + 10s;
+    while (std::chrono::steady_clock::now() < end) {
       {
         std::lock_guard<std::mutex> lock(mu);
         if (status) return status;
       }
-      std::this_thread::sleep_for(10ms);
+      if (!busy) std::this_thread::sleep_for(10ms);
     }
     return std::nullopt;
   }
@@ -120,16 +123,54 @@ TEST(LocalPhaseWatch, APhaseEndingWithinTheGraceOrHealthyIsNotStopped) {
   }
   EXPECT_EQ(stopped.calls, 0);
   {
-    LocalPhaseWatch watch(stores[1], stopped.Fn(), "building the datasets", {.poll = 10ms, .grace = 60s});
+    LocalPhaseWatch watch(stores[1], stopped.Fn(), "building the datasets",
+                          {.poll = 10ms, .grace = 60s, .grace_at_most = 60s});
     ASSERT_TRUE(stores[0]->ReportFailure(absl::NotFoundError("data_text_document.idx: no such file")));
     for (int i = 0; i < 1000 && stores[1]->HeardFailure("").ok(); ++i) std::this_thread::sleep_for(10ms);
     ASSERT_FALSE(stores[1]->HeardFailure("").ok()) << "the watch's poll never heard the failure";
     watch.End();  // the phase ended within its grace
   }
   EXPECT_EQ(stopped.calls, 0);
+  // A phase that does not run meanwhile (starved of CPU: here asleep) has its grace of CPU time still to
+  // use, however long that takes in wall time (up to grace_at_most): not stopped after 10 times its grace.
+  // Before, the grace was a wall-clock second, and a rank on a loaded machine was stopped with a phase
+  // that had barely run since.
+  {
+    auto more = Stores(2);
+    ASSERT_EQ(more.size(), 2u);
+    LocalPhaseWatch watch(more[1], stopped.Fn(), "building the datasets",
+                          {.poll = 10ms, .grace = 100ms, .grace_at_most = 60s});
+    ASSERT_TRUE(more[0]->ReportFailure(absl::NotFoundError("data_text_document.idx: no such file")));
+    for (int i = 0; i < 1000 && more[1]->HeardFailure("").ok(); ++i) std::this_thread::sleep_for(10ms);
+    ASSERT_FALSE(more[1]->HeardFailure("").ok()) << "the watch's poll never heard the failure";
+    std::this_thread::sleep_for(1s);
+    EXPECT_EQ(stopped.calls, 0) << (stopped.status ? stopped.status->ToString() : "");
+    watch.End();  // the phase ended within its grace of work
+    more[1].reset();
+  }
+  EXPECT_EQ(stopped.calls, 0);
   // One process, or no stop to call: nothing is watched.
   LocalPhaseWatch none(nullptr, stopped.Fn(), "building the model");
   LocalPhaseWatch no_stop(stores[1], nullptr, "building the model");
+  stores[1].reset();
+  stores[0].reset();
+}
+
+// A phase that does not run at all after the failure was heard (asleep here; blocked reading a file, or
+// starved for good) is stopped once grace_at_most passed, however much of its grace of CPU time is left.
+TEST(LocalPhaseWatch, APhaseThatDoesNotRunIsStoppedAfterGraceAtMost) {
+  auto stores = Stores(2);
+  ASSERT_EQ(stores.size(), 2u);
+  Stopped stopped;
+  {
+    LocalPhaseWatch watch(stores[1], stopped.Fn(), "loading the checkpoint",
+                          {.poll = 10ms, .grace = 600s, .grace_at_most = 200ms});
+    ASSERT_TRUE(stores[0]->ReportFailure(absl::DataLossError("iter_0000004: checksum mismatch")));
+    const std::optional<absl::Status> st = stopped.Wait(/*busy=*/false);
+    ASSERT_TRUE(st.has_value()) << "the watch did not stop the phase";
+    EXPECT_EQ(st->message(), "rank 1 (host " + HostName() + "): loading the checkpoint stopped: rank 0 (host " +
+                                 HostName() + ") stopped: iter_0000004: checksum mismatch");
+  }
   stores[1].reset();
   stores[0].reset();
 }

@@ -5,11 +5,15 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -237,12 +241,12 @@ TEST(RendezvousJobs, APortHeldByAnotherProgramIsNamedAtOnce) {
        {Case{ForeignListener::kAnswers, "is not a ptk rank 0 (it answered ptk's hello with byte 0x48)", 60s, not_ptk},
         Case{ForeignListener::kCloses, "closed the connection without answering ptk's hello, 3 times", 60s, not_ptk},
         Case{ForeignListener::kSilent, "did not answer ptk's hello within 4 s: not a ptk rank 0", 4s,
-             "a program that did not answer ptk's question within 2 s (not a ptk rendezvous, or a ptk rank 0 that "
+             "a program that did not answer ptk's question within 4 s (not a ptk rendezvous, or a ptk rank 0 that "
              "hangs)"}}) {
     const int port = testing::FreeTestPort();
     ForeignListener stale(port, c.mode);
     ASSERT_TRUE(stale.ok());
-    const std::string rank0 = Refused(0, 2, port, "PTK_RUN_ID=b");
+    const std::string rank0 = Refused(0, 2, port, "PTK_RUN_ID=b", c.timeout);
     EXPECT_EQ(rank0, "rank 0: MASTER_PORT " + std::to_string(port) + " on this host is held by " + c.holder +
                          ", this job being WORLD_SIZE 2, run id PTK_RUN_ID=b: give this job a free MASTER_PORT");
     const std::string rank1 = Refused(1, 2, port, "PTK_RUN_ID=b", c.timeout);
@@ -251,6 +255,76 @@ TEST(RendezvousJobs, APortHeldByAnotherProgramIsNamedAtOnce) {
     EXPECT_NE(rank1.find("another program or job holds MASTER_PORT " + std::to_string(port)), std::string::npos)
         << rank1;
   }
+}
+
+// The connections waiting in the accept queue of what listens on `port` (its LISTEN line's rx_queue
+// in /proc/net/tcp6 or tcp); -1 when none listens.
+int AcceptQueue(int port) {
+  for (const char* table : {"/proc/net/tcp6", "/proc/net/tcp"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string sl, local, remote, state, queues;
+      fields >> sl >> local >> remote >> state >> queues;
+      if (state != "0A" || local.size() < 5 || std::stoi(local.substr(local.size() - 4), nullptr, 16) != port) continue;
+      return std::stoi(queues.substr(queues.find(':') + 1), nullptr, 16);
+    }
+  }
+  return -1;
+}
+
+// A ptk rank 0 that does not run for longer than ptk used to wait for it (stopped here, SIGSTOP; a
+// machine starved of CPU does the same to its store's thread): a rank 0 of another job that finds the
+// port held, and this job's own rank 1, both connected and their questions sent (in the stopped rank 0's
+// accept queue), wait for it; once it runs again (SIGCONT) the first names it as the ptk rank 0 it is and
+// the second joins. Before, the first gave up after 2 s ("a program that did not answer ptk's question
+// within 2 s") and the second after 10 s ("did not answer ptk's hello within 10 s: not a ptk rank 0").
+TEST(RendezvousJobs, ARankZeroThatDoesNotRunForSecondsIsWaitedFor) {
+  const int port = testing::FreeTestPort();
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t holder = ::fork();  // before this test starts any thread
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    auto s = RendezvousStore::Connect(0, 2, "127.0.0.1", port, 60s, "PTK_RUN_ID=a");
+    const char byte = s.ok() ? 'y' : 'n';
+    (void)!::write(ready[1], &byte, 1);
+    for (;;) ::pause();  // until killed
+  }
+  ::close(ready[1]);
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ::close(ready[0]);
+  ASSERT_EQ(byte, 'y');
+  ASSERT_EQ(::kill(holder, SIGSTOP), 0);
+  int st = 0;
+  ASSERT_EQ(::waitpid(holder, &st, WUNTRACED), holder);
+  ASSERT_TRUE(WIFSTOPPED(st));
+  std::string rank0;
+  absl::Status rank1 = absl::UnknownError("not run");
+  std::thread other_job([&] { rank0 = Refused(0, 2, port, "PTK_RUN_ID=b"); });
+  std::unique_ptr<RendezvousStore> joined;
+  std::thread this_job([&] {
+    auto s = RendezvousStore::Connect(1, 2, "127.0.0.1", port, 60s, "PTK_RUN_ID=a");
+    rank1 = s.status();
+    if (s.ok()) joined = *std::move(s);
+  });
+  while (AcceptQueue(port) < 2) std::this_thread::sleep_for(10ms);  // both connected, their questions sent
+  std::this_thread::sleep_for(11s);  // past ptk's old waits: 2 s (the holder's question), 10 s (the hello)
+  ASSERT_EQ(::kill(holder, SIGCONT), 0);
+  other_job.join();
+  this_job.join();
+  EXPECT_EQ(rank0, "rank 0: MASTER_PORT " + std::to_string(port) +
+                       " on this host is held by another ptk rank 0 (host " + HostName() + ", pid " +
+                       std::to_string(holder) +
+                       "; WORLD_SIZE 2, run id PTK_RUN_ID=a), this job being WORLD_SIZE 2, run id PTK_RUN_ID=b: give "
+                       "each job a MASTER_PORT of its own");
+  EXPECT_TRUE(rank1.ok()) << rank1;
+  joined.reset();
+  ::kill(holder, SIGKILL);
+  ::waitpid(holder, &st, 0);
 }
 
 }  // namespace

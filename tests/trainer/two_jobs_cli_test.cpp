@@ -129,19 +129,22 @@ class TwoJobsCli : public ::testing::Test {
     a.sin_port = htons(static_cast<uint16_t>(port));
     ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
     ASSERT_EQ(::listen(fd, 16), 0);  // the kernel completes the connections; nobody reads them
-    const Run r = Script(env + Start("s", 0, master_port, "") + env + Start("s", 1, master_port, "") + Wait("s", 0) +
-                         Wait("s", 1));
+    // A silent holder is waited for up to 30 s (a ptk rank 0 starved of CPU answers late), or the ranks'
+    // timeout: 6 s here.
+    const std::string minutes = " --distributed-timeout-minutes 0.1";
+    const Run r = Script(env + Start("s", 0, master_port, "", minutes) + env + Start("s", 1, master_port, "", minutes) +
+                         Wait("s", 0) + Wait("s", 1));
     ::close(fd);
     const std::string logs = r.out + Logs({"s0", "s1"});
     EXPECT_EQ(r.Rc("s0"), 1) << logs;
     EXPECT_EQ(r.Rc("s1"), 1) << logs;
     EXPECT_TRUE(SaysOnce(Read("s0"), "rank 0: " + port_words +
                                          " on this host is held by a program that did not answer ptk's question within "
-                                         "2 s (not a ptk rendezvous, or a ptk rank 0 that hangs), this job being "
+                                         "6 s (not a ptk rendezvous, or a ptk rank 0 that hangs), this job being "
                                          "WORLD_SIZE 2, no run id: give this job a free MASTER_PORT"))
         << logs;
     EXPECT_TRUE(SaysOnce(Read("s1"), "rendezvous: what listens at " + where +
-                                         " did not answer ptk's hello within 10 s: not a ptk rank 0 (or one that "
+                                         " did not answer ptk's hello within 6 s: not a ptk rank 0 (or one that "
                                          "hangs); another program or job holds " +
                                          port_words))
         << logs;
@@ -264,8 +267,8 @@ TEST_F(TwoJobsCli, TwoJobsStartedTogetherByHandWithOtherFlagsNeverMix) {
 }
 
 // A stale program that is not ptk holds the port (it accepts and never answers): rank 0 says so, not
-// "another job"; rank 1 stops once its hello goes unanswered 10 s, naming the address, instead of
-// waiting for the rendezvous timeout (a minute here).
+// "another job"; rank 1 stops once its hello goes unanswered 30 s (here its 6 s timeout), naming the
+// address, not as a rank 0 that never came.
 TEST_F(TwoJobsCli, APortHeldByAProgramThatIsNotPtkStopsTheJobNamingIt) {
   const int port = testing::FreeTestPort();
   const std::string p = std::to_string(port);
