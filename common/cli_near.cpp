@@ -62,16 +62,50 @@ bool HoldsWords(const std::string& flag_stem, const std::string& stem) {
   return false;
 }
 
+std::vector<std::string> Words(const std::string& stem) {
+  std::vector<std::string> words;
+  for (size_t start = 0; start <= stem.size();) {
+    const size_t end = std::min(stem.find('-', start), stem.size());
+    words.push_back(stem.substr(start, end - start));
+    start = end + 1;
+  }
+  return words;
+}
+
+// `flag_stem` has `stem`'s words but one of them, a word the tool's flags use (`known`), in place of
+// another more than one edit from it: the name is the tool's own words put together, no misspelling of
+// that flag ("input-prefix" is three edits from "output-prefix", but "input" is ptk-merge's word for what
+// it reads; "sizes" for "size" is still one).
+bool SwapsAKnownWord(const std::string& stem, const std::string& flag_stem, const std::vector<std::string>& known) {
+  const std::vector<std::string> a = Words(stem), b = Words(flag_stem);
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (EditDistance(a[i], b[i]) > 1 && std::find(known.begin(), known.end(), a[i]) != known.end()) return true;
+  return false;
+}
+
 }  // namespace
 
 std::string NearestFlagName(const std::string& name, const std::vector<std::string>& flags) {
   const std::string stem = FlagStem(name);
   if (stem.empty()) return "";
-  std::vector<std::string> stems;
-  for (const std::string& f : flags) stems.push_back(FlagStem(f));
-  // A typo: a quarter of the name's letters at most (one edit in a name of up to seven).
-  if (const std::vector<size_t> near = NearestNames(stem, stems, std::max<size_t>(1, stem.size() / 4)); !near.empty())
-    return flags[near.front()];
+  std::vector<std::string> stems, known;
+  for (const std::string& f : flags) {
+    stems.push_back(FlagStem(f));
+    for (std::string& w : Words(stems.back())) known.push_back(std::move(w));
+  }
+  // A typo: a quarter of the name's letters at most (one edit in a name of up to seven), no word the
+  // tool's flags use traded for another.
+  std::vector<std::string> typo_stems;
+  std::vector<size_t> typo_flags;
+  for (size_t i = 0; i < flags.size(); ++i)
+    if (!SwapsAKnownWord(stem, stems[i], known)) {
+      typo_stems.push_back(stems[i]);
+      typo_flags.push_back(i);
+    }
+  if (const std::vector<size_t> near = NearestNames(stem, typo_stems, std::max<size_t>(1, stem.size() / 4));
+      !near.empty())
+    return flags[typo_flags[near.front()]];
   // Part of a flag's name (--layers for --num-layers): the one flag that adds least to it, and no more
   // than the name itself has, so that --size names no flag of the many that end in it.
   size_t best = stem.size() + 1, found = flags.size();

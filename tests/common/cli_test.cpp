@@ -190,6 +190,16 @@ TEST(CliParse, AnUnknownFlagSuggestsOnlyAFlagItIsNear) {
       {"--attention-heads", "--num-attention-heads"},
   };
   for (const auto& [name, want] : cases) EXPECT_EQ(cli::NearestFlagName(name, flags), want) << name;
+  // Regression: ptk-merge --input-prefix suggested --output-prefix (three edits in twelve letters), the
+  // flag naming what it writes for one meant to name what it reads: "input" is a word of its flags, so
+  // trading it for another is no typo. A misspelt word next to it still is.
+  const std::vector<std::string> merge = {"--input",      "--inputs", "--output-prefix",
+                                          "--multimodal", "--quiet",  "--force"};
+  EXPECT_EQ(cli::NearestFlagName("--input-prefix", merge), "");
+  EXPECT_EQ(cli::NearestFlagName("--output-prefx", merge), "--output-prefix");
+  EXPECT_EQ(cli::NearestFlagName("--ouput-prefix", merge), "--output-prefix");
+  EXPECT_EQ(cli::NearestFlagName("--inptus", merge), "--inputs");
+  EXPECT_EQ(cli::NearestFlagName("--micro-batch-sizes", {"--micro-batch-size", "--sizes"}), "--micro-batch-size");
   EXPECT_EQ(cli::EditDistance("rank", "save"), 3u);
   EXPECT_EQ(cli::EditDistance("svae", "save"), 1u);
   EXPECT_EQ(cli::NearestNames("--rank", flags, 2), std::vector<size_t>{});
