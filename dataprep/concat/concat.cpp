@@ -401,8 +401,8 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   // The plan gives no chunk of empty inputs only; compressed ones can still hold nothing (or a BOM).
   if (res.bytes == 0)
     return absl::FailedPreconditionError(fmt::format(
-        "{}: chunk {} would be an empty file, which ptk-tokenize refuses: {} once decompressed (or hold only a "
-        "UTF-8 BOM); nothing written",
+        "{}: chunk {} would be an empty file, which ptk-tokenize refuses: {} once read (decompressed, a UTF-8 "
+        "BOM that starts it dropped); nothing written",
         out_path, index, EmptyInputs(c.inputs, 0, c.inputs.size())));
   PTK_RETURN_IF_ERROR(out->Seal(durable));
   // Inputs are copied in the kernel (copy_file_range), so the checksum reads the finished file.

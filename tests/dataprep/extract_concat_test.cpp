@@ -887,11 +887,16 @@ TEST(Concat, NoChunkIsAnEmptyFile) {
   testing::WriteFile(dir / "hollow/bom.jsonl", "\xEF\xBB\xBF");
   auto hollow = RunCmd(fmt::format("{} --input {} --output-dir {}", concat, dir / "hollow", dir / "h"));
   EXPECT_EQ(hollow.exit_code, 1) << hollow.output;
-  EXPECT_NE(hollow.output.find(fmt::format("{}: chunk 1 would be an empty file, which ptk-tokenize refuses: {} is "
-                                           "empty once decompressed",
-                                           dir / "h/train_01.jsonl", dir / "hollow/z.jsonl.zst")),
-            std::string::npos)
-      << hollow.output;
+  // Regression: the message read "{} is empty once decompressed (or hold only a UTF-8 BOM)", a plain
+  // file holding a BOM called empty once decompressed, and the verb not agreeing with one input.
+  for (const auto& [k, name] : {std::pair{0, "bom.jsonl"}, std::pair{1, "z.jsonl.zst"}})
+    EXPECT_NE(hollow.output.find(fmt::format("{}: chunk {} would be an empty file, which ptk-tokenize refuses: {} is "
+                                             "empty once read (decompressed, a UTF-8 BOM that starts it dropped); "
+                                             "nothing written",
+                                             dir / fmt::format("h/train_{:02d}.jsonl", k), k,
+                                             dir / (std::string("hollow/") + name))),
+              std::string::npos)
+        << hollow.output;
   EXPECT_FALSE(testing::Exists(dir / "h/train_00.jsonl"));
   EXPECT_FALSE(testing::Exists(dir / "h/train_01.jsonl"));
 }
