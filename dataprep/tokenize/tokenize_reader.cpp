@@ -127,6 +127,8 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
       if (std::string_view(b->data.get() + l0.off, l0.len).starts_with(kUtf8Bom)) {  // the file's, not its text
         l0.off += kUtf8Bom.size();
         l0.len -= kUtf8Bom.size();
+        // A file of a BOM only holds no line, as utf-8-sig reads it (not one blank line).
+        if (eof && l0.len == 0 && l0.off == end) b->lines.erase(b->lines.begin());
       }
       at_file_start_ = false;
     }

@@ -215,6 +215,10 @@ TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
        "--json-keys ({\"text\": \"...\"})"},
       {"random.bin", random, "", "does not look like text"},
       {"empty.jsonl", "", "", "no document in it (empty file)"},
+      // A file of a UTF-8 BOM only is empty as utf-8-sig reads it; it was called "1 blank line".
+      {"bom.jsonl", "\xEF\xBB\xBF", "", "bom.jsonl: no document in it (empty file)"},
+      {"bom.jsonl.zst", testing::ZstdCompress("\xEF\xBB\xBF"), "", "bom.jsonl.zst: no document in it (empty file)"},
+      {"bomline.jsonl", "\xEF\xBB\xBF\n", "", "no document in it (1 blank line, nothing else)"},
       // A file of blank lines was reported as an empty file.
       {"blank.jsonl", "\n  \n\t\n", "", "no document in it (3 blank lines, nothing else)"},
       {"packed.jsonl.bz2", "BZh91AY&SY", "", "bzip2 data, which ptk does not read"},
