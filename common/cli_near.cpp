@@ -1,6 +1,7 @@
 // The near-miss suggestions of ptk's command lines (cli.h): how near a misspelt name is to the one meant.
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -106,22 +107,23 @@ std::string NearestFlagName(const std::string& name, const std::vector<std::stri
   if (const std::vector<size_t> near = NearestNames(stem, typo_stems, std::max<size_t>(1, stem.size() / 4));
       !near.empty())
     return flags[typo_flags[near.front()]];
-  // Part of a flag's name (--layers for --num-layers): the one flag that adds least to it, and no more
-  // than the name itself has, so that --size names no flag of the many that end in it.
-  size_t best = stem.size() + 1, found = flags.size();
-  bool tie = false;
+  // Part of a flag's name (--layers for --num-layers): the flag that adds least to it, no more than the
+  // name itself has (so that --size names no flag of the many that end in it), and at most half what any
+  // other flag holding it adds: --iters is as near to --train-iters as to --eval-iters, and names neither.
+  size_t best = SIZE_MAX, second = SIZE_MAX, found = flags.size();
   for (size_t i = 0; i < flags.size(); ++i) {
     if (!HoldsWords(stems[i], stem)) continue;
     const size_t extra = stems[i].size() - stem.size();
     if (extra < best) {
+      second = best;
       best = extra;
       found = i;
-      tie = false;
-    } else if (extra == best) {
-      tie = true;
+    } else if (extra < second) {
+      second = extra;
     }
   }
-  return found < flags.size() && !tie ? flags[found] : "";
+  const bool clear = best <= stem.size() && (second == SIZE_MAX || second >= 2 * best);
+  return found < flags.size() && clear ? flags[found] : "";
 }
 
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}", with the choice most likely meant, as an unknown

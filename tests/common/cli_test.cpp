@@ -200,6 +200,16 @@ TEST(CliParse, AnUnknownFlagSuggestsOnlyAFlagItIsNear) {
   EXPECT_EQ(cli::NearestFlagName("--ouput-prefix", merge), "--output-prefix");
   EXPECT_EQ(cli::NearestFlagName("--inptus", merge), "--inputs");
   EXPECT_EQ(cli::NearestFlagName("--micro-batch-sizes", {"--micro-batch-size", "--sizes"}), "--micro-batch-size");
+  // Regression: ptk-train --iters suggested --eval-iters, the flag that adds least to the name, one letter
+  // less than --train-iters, the one a user means. A part of names is suggested only when one flag is
+  // clearly nearest: it adds at most half what any other flag holding it adds.
+  const std::vector<std::string> iters = {"--eval-iters",          "--train-iters",    "--lr-warmup-iters",
+                                          "--ft-num-warmup-iters", "--hidden-dropout", "--attention-dropout",
+                                          "--num-layers",          "--mtp-num-layers"};
+  EXPECT_EQ(cli::NearestFlagName("--iters", iters), "");
+  EXPECT_EQ(cli::NearestFlagName("--dropout", iters), "");
+  EXPECT_EQ(cli::NearestFlagName("--warmup-iters", iters), "--lr-warmup-iters");
+  EXPECT_EQ(cli::NearestFlagName("--layers", iters), "--num-layers");
   EXPECT_EQ(cli::EditDistance("rank", "save"), 3u);
   EXPECT_EQ(cli::EditDistance("svae", "save"), 1u);
   EXPECT_EQ(cli::NearestNames("--rank", flags, 2), std::vector<size_t>{});
