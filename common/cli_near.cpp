@@ -174,6 +174,32 @@ std::string BareRule(const CLI::App& app, const std::string& tool) {
   return fmt::format("({}'s bare argument is its {}; every other value goes after its flag)", tool, names);
 }
 
+// A bare word that is a flag of another of the tool's commands than the one given, where it belongs
+// ("--chunk-index is not a flag of `ptk-concat`, but of `ptk-concat run`: give it after `run`"); CLI11
+// left it as a bare word, called one "given without a flag". Empty when no bare word is such a flag.
+std::string MisplacedFlag(const CLI::App& app, const CLI::App& parsed, const std::vector<std::string>& bare) {
+  const auto command = [&](const CLI::App& a) {
+    return &a == &app ? app.get_name() : fmt::format("{} {}", app.get_name(), a.get_name());
+  };
+  std::vector<const CLI::App*> commands = {&app};
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) commands.push_back(sub);
+  for (const std::string& w : bare) {
+    if (w.size() < 3 || w.compare(0, 2, "--") != 0) continue;
+    const std::string name = w.substr(0, w.find('='));
+    std::string owners, last_sub;
+    int n = 0;
+    for (const CLI::App* a : commands) {
+      if (a == &parsed || a->get_option_no_throw(name) == nullptr) continue;
+      owners += fmt::format("{}`{}`{}", n++ ? " and " : "", command(*a), a == &app ? " without a subcommand" : "");
+      last_sub = a == &app ? "" : a->get_name();
+    }
+    if (n == 0) continue;
+    return fmt::format("{} is not a flag of `{}`, but of {}{}", name, command(parsed), owners,
+                       n == 1 && !last_sub.empty() ? fmt::format(": give it after `{}`", last_sub) : "");
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string ParseErrorMessage(const CLI::App& app, const CLI::ParseError& e) {
@@ -186,6 +212,8 @@ std::string ParseErrorMessage(const CLI::App& app, const CLI::ParseError& e) {
   if (!(extras || required) || bare.empty()) return WithNearestChoice(e.what());
   std::string words;
   for (const std::string& w : bare) words += (words.empty() ? "" : " ") + w;
+  if (const std::string misplaced = MisplacedFlag(app, *parsed, bare); !misplaced.empty())
+    return required ? fmt::format("{}; {}", e.what(), misplaced) : misplaced;
   const std::string tool = parsed == &app ? app.get_name() : app.get_name() + " " + parsed->get_name();
   const CLI::Option* flag = FlagForBareWords(*parsed, bare.size());
   const std::string given =

@@ -961,6 +961,14 @@ TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
       // A misspelt subcommand was read as an input file: "pln: no such file".
       {"pln --input " + dir / "in" + " --output-dir " + dir / "c",
        "pln: no such file or subcommand; did you mean the subcommand `plan`?"},
+      // A flag of another command was called a word "given without a flag": "--chunk-index was given
+      // without a flag", "--input x were given without a flag".
+      {"--chunk-index 0 --input " + dir / "in",
+       "--chunk-index is not a flag of `ptk-concat`, but of `ptk-concat run`: give it after `run`"},
+      {"run --input " + dir / "in" + " --plan " + plan,
+       "--input is not a flag of `ptk-concat run`, but of `ptk-concat` without a subcommand and `ptk-concat plan`"},
+      {"list --plan " + plan + " --chunk-index 0",
+       "--chunk-index is not a flag of `ptk-concat list`, but of `ptk-concat run`: give it after `run`"},
       // The nearest subcommand, not the first within two edits (`pun` was taken for `plan`).
       {"pun --plan " + plan, "pun: no such file or subcommand; did you mean the subcommand `run`?"},
   };
