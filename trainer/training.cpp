@@ -73,7 +73,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   Print("training ...");
   if (state_.iteration >= plan_.train_iters) return NothingToTrain();
   const int64_t first = state_.iteration + 1;
-  if (lead_) log::Info("start-up: iteration {} running (its log line comes after it) ...", first);
+  // On several ranks the log line is the last rank's (print_rank_last): rank 0's output never holds it.
+  if (lead_)
+    log::Info("start-up: iteration {} running (its log line comes after it{}) ...", first,
+              world_->size() > 1 ? fmt::format(", from the last rank, {}", world_->size() - 1) : "");
   while (state_.iteration < plan_.train_iters) {
     PTK_RETURN_IF_ERROR(UpdateBatchSize());
     t0 = Clock::now();

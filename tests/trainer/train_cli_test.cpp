@@ -722,6 +722,10 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
     EXPECT_EQ(r.output.find(evaluation), std::string::npos) << r.output;
   }
   EXPECT_EQ(r.output.find(" validation loss at iteration"), std::string::npos) << r.output;
+  // Rank 0's start-up line said "its log line comes after it", in an output that never holds it.
+  EXPECT_NE(r.output.find("start-up: iteration 1 running (its log line comes after it, from the last rank, 1) ..."),
+            std::string::npos)
+      << r.output;
   // print_rank_0's lines stay rank 0's.
   EXPECT_NE(r.output.find("[after training is done] datetime: "), std::string::npos) << r.output;
   EXPECT_EQ(r1.find("[after training is done] datetime: "), std::string::npos) << r1;
