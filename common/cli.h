@@ -52,9 +52,11 @@ std::vector<size_t> NearestNames(const std::string& name, const std::vector<std:
 std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most);
 
 // The flag among `flags` an unknown `name` most likely meant, or "": case and '_' for '-' aside, one
-// within a quarter of its letters in edits (at least one: --svae for --save, not --rank for --save), else
-// the one flag holding its words that adds the least to them, no more than they are long (--layers for
-// --num-layers; --size names none of the many that end in it).
+// within a quarter of its letters in edits (at least one: --svae for --save, not --rank for --save) that
+// trades none of its words the flags use for a word more than an edit away (--input-prefix is not
+// --output-prefix), else the one flag holding its words that adds the least to them, no more than they
+// are long and at most half what any other holder adds (--layers for --num-layers; --size names none of
+// the many that end in it, --iters neither --eval-iters nor --train-iters).
 std::string NearestFlagName(const std::string& name, const std::vector<std::string>& flags);
 
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
