@@ -423,8 +423,17 @@ cli::UnknownFlagHints LauncherFlagHints() {
         "torchrun's flag, not the program's: give it to torchrun before the program; ptk-train, as Megatron, reads "
         "MASTER_ADDR and MASTER_PORT from the environment (torchrun sets them; under srun, the step's first node "
         "and a port from SLURM_JOB_ID)";
-  for (const char* flag : {"--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",
-                           "--rdzv-id", "--rdzv-conf", "--standalone", "--max-restarts"})
+  // torchrun's own flags (torch 2.6's --help): its launch's, and its workers' logs (--log-dir, --tee).
+  for (const char* flag : {"--nnodes",           "--nproc-per-node",
+                           "--node-rank",        "--rdzv-endpoint",
+                           "--rdzv-backend",     "--rdzv-id",
+                           "--rdzv-conf",        "--standalone",
+                           "--max-restarts",     "--no-python",
+                           "--log-dir",          "--tee",
+                           "--redirects",        "--local-ranks-filter",
+                           "--logs-specs",       "--role",
+                           "--monitor-interval", "--start-method",
+                           "--run-path",         "--local-addr"})
     hints[flag] =
         "torchrun's flag, not the program's: give it to torchrun before the program (torchrun --no-python "
         "--nproc-per-node 8 ptk-train ...), which starts each rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "

@@ -1387,6 +1387,11 @@ TEST_F(TrainCli, NewcomerMistakesAreNamed) {
        "unknown flag --nproc-per-node: torchrun's flag, not the program's: give it to torchrun "
        "before the program (torchrun --no-python --nproc-per-node 8 ptk-train ...)"},
       {"--node-rank 0", "unknown flag --node-rank: torchrun's flag"},
+      // torchrun's flags for its workers' logs and its --no-python, given after the program.
+      {"--no-python", "unknown flag --no-python: torchrun's flag, not the program's"},
+      {"--log-dir logs", "unknown flag --log-dir: torchrun's flag, not the program's"},
+      {"--tee 3", "unknown flag --tee: torchrun's flag, not the program's"},
+      {"--local_ranks_filter 0", "unknown flag --local_ranks_filter: torchrun's flag, not the program's"},
   };
   for (const auto& [flag, want] : launcher) {
     auto r = RunCmd(Train(flag, 2));
