@@ -139,11 +139,14 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendByLengths(const std::vector
   if (requested) size = std::min(*requested, total);
   return BlendedDataset::Build(parts, lens, true, size, split, config);
 }
-}  // namespace
 
-absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
-                                                                                 GPTDatasetConfig config,
-                                                                                 std::vector<std::string>* warnings) {
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildPerSplit(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings,
+    std::vector<std::shared_ptr<TopLevelDataset>>* validation_sets);
+
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildSplitDatasets(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings,
+    std::vector<std::shared_ptr<TopLevelDataset>>* validation_sets) {
   std::array<std::shared_ptr<TopLevelDataset>, 3> result;
   const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
                          !args.per_split_data_path[2].empty();
@@ -196,7 +199,14 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
     return result;
   }
 
-  // Per-split blends: each split is built from its own list with split (0, 1).
+  return BuildPerSplit(args, std::move(config), warnings, validation_sets);
+}
+
+// Per-split blends: each split is built from its own list with split (0, 1).
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildPerSplit(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings,
+    std::vector<std::shared_ptr<TopLevelDataset>>* validation_sets) {
+  std::array<std::shared_ptr<TopLevelDataset>, 3> result;
   config.split = std::nullopt;
   config.split_matrix = std::nullopt;
   Builder b(config, warnings);
@@ -213,6 +223,13 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
     if (prefixes.size() == 1) {
       PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[0], spoof, sizes_spoof));
       result[i] = ds[i];
+      continue;
+    }
+    if (args.multiple_validation_sets && i == 1) {  // each prefix alone, as a single prefix is built
+      for (const std::string& prefix : prefixes) {
+        PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefix, spoof, sizes_spoof));
+        validation_sets->push_back(ds[i]);
+      }
       continue;
     }
     std::vector<std::shared_ptr<GPTDataset>> parts;
@@ -234,6 +251,19 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
       return absl::InvalidArgumentError("weighted per-split blends need a sample count");
     }
   }
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings,
+    std::vector<std::shared_ptr<TopLevelDataset>>* validation_sets) {
+  std::vector<std::shared_ptr<TopLevelDataset>> sets;
+  PTK_ASSIGN_OR_RETURN(auto result, BuildSplitDatasets(args, std::move(config), warnings, &sets));
+  if (sets.empty() && result[1]) sets.push_back(result[1]);
+  if (!sets.empty()) result[1] = sets[0];
+  if (validation_sets) *validation_sets = std::move(sets);
   return result;
 }
 

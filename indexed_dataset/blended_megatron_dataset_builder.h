@@ -20,13 +20,19 @@ struct DataArgs {
   std::array<std::vector<std::string>, 3> per_split_data_path;  // --train/--valid/--test-data-path
   std::string split = "969, 30, 1";
   std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)
+  // Megatron's multiple_validation_sets: a --valid-data-path of several prefixes gives one validation dataset per
+  // prefix (their weights unused), each built as a single prefix is, instead of their blend.
+  bool multiple_validation_sets = false;
 };
 
 // Returns one dataset per split (nullptr where that split is empty or not given). What a caller
 // should print (IndexedDataset::IdxTrailingBytesWarning and BinTrailingBytesWarning of each dataset
-// opened) goes to *warnings.
+// opened) goes to *warnings. `validation_sets` (when given) receives the validation datasets: the
+// validation split's one, or with multiple_validation_sets one per --valid-data-path prefix, in order
+// (the returned validation split is then the first).
 absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(
-    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings = nullptr);
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings = nullptr,
+    std::vector<std::shared_ptr<TopLevelDataset>>* validation_sets = nullptr);
 
 // Megatron's get_blend_from_list: even count -> (weights, prefixes), odd -> prefixes only.
 absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,

@@ -154,6 +154,15 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--eval-interval", o.eval_interval, "Evaluate on the validation split every N iterations")
       ->check(IntIn(1, kMaxCount));
   app->add_option("--eval-iters", o.eval_iters, "Global batches per evaluation (0: none)")->check(IntIn(0, kMaxCount));
+  app->add_flag("--skip-train", o.skip_train,
+                "Train no iteration: evaluate the weights --load restores (or the random initialization without "
+                "--load) on the validation sets and the test split, as after training, then exit; nothing is saved");
+  app->add_flag("--full-validation", o.full_validation,
+                "Each evaluation reads one whole epoch of the validation split (every sample once, from the first) "
+                "instead of --eval-iters global batches");
+  app->add_flag("--multiple-validation-sets", o.multiple_validation_sets,
+                "Evaluate each --valid-data-path prefix as a set of its own ('validation-0 loss at ...', TensorBoard's "
+                "'lm loss validation-0'); needs --full-validation or --skip-train");
   app->add_option("--log-interval", o.log_interval, "Print the log line every N iterations")
       ->check(IntIn(1, kMaxCount));
   app->add_flag("--log-throughput", o.tensorboard.log_throughput,

@@ -281,6 +281,12 @@ ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const p
 }
 
 void PrintDone(const ptk::TrainSummary& s) {
+  if (s.skipped_training) {
+    ptk::log::Info("done: --skip-train: evaluated the weights of iteration {}{}{}", s.iteration,
+                   s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
+                   s.test_loss ? fmt::format(", test loss {:.6f}", *s.test_loss) : "");
+    return;
+  }
   if (s.nothing_to_train) {
     ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed){}", s.iteration,
                    s.consumed_train_samples,

@@ -233,8 +233,6 @@ constexpr Group kGroups[] = {
      "--fim-suffix-token="},
     {true, "object storage (S3, MSC) is not read; give local files",
      "--object-storage-cache-path="},
-    {true, "this validation mode is not implemented: --eval-iters batches of the validation split are evaluated",
-     "--full-validation --multiple-validation-sets --skip-train"},
     {true, "this change to the training schedule is not implemented",
      "--decrease-batch-size-if-needed --iterations-to-skip=+ --phase-transition-iterations="},
     {true, "Megatron's fault-tolerance machinery is not implemented; --exit-signal-handler saves on SIGTERM and a relaunch with --load resumes",

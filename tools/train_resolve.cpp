@@ -350,9 +350,25 @@ void NoteFlagsWithoutTheirTarget(const TrainFlags& f, const TrainOptions& o, std
     notes->push_back(load + " without --load: nothing is loaded; the run starts from random initialization");
 }
 
+// --skip-train: Megatron's --no-load-optim (no optimizer is made), and no checkpoint written (no iteration runs).
+void SkipTrainSettings(TrainOptions* o, std::vector<std::string>* notes) {
+  if (!o->load.empty() && !o->no_load_optim) {
+    o->no_load_optim = true;
+    notes->push_back("enabling --no-load-optim when skipping training.");
+  }
+  if (o->load.empty() && o->pretrained_checkpoint.empty())
+    notes->push_back("--skip-train without --load: the randomly initialized model is evaluated (as in Megatron)");
+  if (!o->save.empty()) {
+    notes->push_back(fmt::format("--save {} with --skip-train: nothing is saved (no iteration runs)", o->save));
+    o->save.clear();
+    o->save_interval = 0;
+  }
+}
+
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   TrainOptions& o = *out;
+  if (o.skip_train) SkipTrainSettings(&o, notes);
   if (o.save_interval > 0 && o.save.empty())
     notes->push_back(
         fmt::format("--save-interval {} without --save: nothing is saved (as in Megatron)", o.save_interval));

@@ -46,13 +46,29 @@ struct EvaluationPass {
   std::function<void(const std::string&)> verbose;
 };
 
-// Megatron's evaluate: forward-only passes over --eval-iters global batches (the plan's) of
-// `loader`, each adding the global batch to *consumed (when given); after each one, as Megatron's,
-// --exit-duration-in-mins (CheckExitDuration) may stop it: nullopt then, as Megatron's returns no
-// loss. Else the mean loss per token over every rank's batches (data-parallel ranks, then stages).
-// `prefix` names the evaluation in an error (data that runs out).
-absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o, const TrainPlan& plan,
-                                               DataLoader* loader, const std::string& prefix, int64_t* consumed);
+// How much one evaluation reads: `micro_batches` of this rank's micro-batches in `iterations` global
+// batches (the last one may hold fewer: --full-validation's epoch need not fill it), `samples` in all (its
+// verbose line's count).
+struct EvaluationExtent {
+  int64_t iterations = 0, micro_batches = 0, samples = 0;
+};
+// --eval-iters global batches of the plan (Megatron's evaluate's).
+EvaluationExtent EvalItersExtent(int64_t eval_iters, const TrainPlan& plan);
+// --full-validation: every sample Megatron's pretraining sampler gives from the first of a validation set
+// of `set_size` samples (its last incomplete batch of `data_size` ranks' micro-batches dropped), each once.
+EvaluationExtent FullValidationExtent(int64_t set_size, int64_t data_size, const TrainPlan& plan);
+
+// Megatron's evaluate: forward-only passes over `extent` of `loader`, each global batch adding its samples
+// to *consumed (when given); after each one, as Megatron's, --exit-duration-in-mins (CheckExitDuration) may
+// stop it: nullopt then, as Megatron's returns no loss. Else the mean loss per token over every rank's
+// batches (data-parallel ranks, then stages). `prefix` names the evaluation in an error (data that runs out).
+absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o,
+                                               const EvaluationExtent& extent, DataLoader* loader,
+                                               const std::string& prefix, int64_t* consumed);
+
+// Megatron's name of validation set `index` in its lines and TensorBoard tags: "validation", and with
+// --multiple-validation-sets "validation-<index>".
+std::string ValidationSetName(bool multiple_validation_sets, size_t index);
 
 // Megatron's timers.log(['evaluate']) after an evaluation (its 'evaluate' timer is of level 0: every
 // run prints it): every rank's `seconds` gathered over `world`, the block (kTimersLogPrefix, the
@@ -60,7 +76,12 @@ absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const
 absl::Status LogEvaluateTime(Communicator* world, double seconds, TimingLogOption option,
                              const std::function<void(const std::string&)>& print);
 
-// Megatron's line of an evaluation's loss (printed between two rules of dashes one longer).
-std::string ValidationLine(const std::string& prefix, double loss);
+// The checks of --skip-train, --full-validation and --multiple-validation-sets against the other flags
+// (Megatron's, and where Megatron would evaluate nothing or fail later, one usage error naming the flags).
+absl::Status CheckEvaluationModes(const TrainOptions& o);
+
+// Megatron's line of an evaluation's loss (printed between two rules of dashes one longer); `set` is
+// ValidationSetName's.
+std::string ValidationLine(const std::string& prefix, double loss, const std::string& set = "validation");
 
 }  // namespace ptk

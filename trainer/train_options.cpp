@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "common/status.h"
+#include "trainer/evaluation.h"
 
 namespace ptk {
 namespace {
@@ -147,6 +148,7 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   if (o.data.data_path.empty() && o.data.per_split_data_path[0].empty() && !o.mock_data)
     return usage("give --data-path (or --train-data-path), or --mock-data");
   PTK_RETURN_IF_ERROR(o.loss_scale.Validate());
+  PTK_RETURN_IF_ERROR(CheckEvaluationModes(o));
   if (o.distributed_backend == "nccl" && o.backend.device != Device::kCuda)
     return usage("--distributed-backend nccl needs --device cuda (NCCL moves GPU memory); CPU ranks use gloo");
 

@@ -99,6 +99,10 @@ struct TrainOptions {
   std::string ranks_on_node_source;
 
   int64_t eval_interval = 1000, eval_iters = 100;
+  // Megatron's evaluation modes: --skip-train (no iteration: the final evaluations of the loaded weights, then exit),
+  // --full-validation (each evaluation reads every sample of one epoch of the validation split, from its first),
+  // --multiple-validation-sets (each --valid-data-path prefix its own validation set, loss and line).
+  bool skip_train = false, full_validation = false, multiple_validation_sets = false;
   int64_t log_interval = 100;
   // --log-params-norm / --log-num-zeros-in-grad: Megatron's "params norm:" and "num zeros:" log
   // fields and TensorBoard scalars (params-norm, num-zeros).

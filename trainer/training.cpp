@@ -70,6 +70,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   interval_.Start();
   wall_before_ = state_.wall_seconds;
   Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
+  if (o_.skip_train) return SkipTraining();
   Print("training ...");
   if (state_.iteration >= plan_.train_iters) return NothingToTrain();
   const int64_t first = state_.iteration + 1;
@@ -84,12 +85,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
     if (lead_ && state_.iteration == first) log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
     PTK_RETURN_IF_ERROR(Log(r));
     bool timelimit = false;  // --exit-duration-in-mins reached during the evaluation: it stopped early
-    if (valid_loader_ && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
-      PTK_ASSIGN_OR_RETURN(const std::optional<double> loss,
-                           Evaluate(valid_loader_.get(), fmt::format("iteration {}", state_.iteration),
-                                    &state_.consumed_valid_samples, "lm loss validation"));
-      if (loss) summary_.last_validation_loss = loss;
-      timelimit = !loss;
+    if (!data_.valid_sets.empty() && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
+      PTK_ASSIGN_OR_RETURN(const bool done, EvaluateValidation(fmt::format("iteration {}", state_.iteration),
+                                                               &state_.consumed_valid_samples, false));
+      timelimit = !done;
     }
     // No sample when the time is up: the save and exit come next.
     if (!timelimit && o_.sample.interval > 0 && state_.iteration % o_.sample.interval == 0)
@@ -203,21 +202,28 @@ absl::StatusOr<TrainSummary> Trainer::Finish() {
     Print(report);
   }
   if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+  return FinalEvaluations();
+}
+
+absl::StatusOr<TrainSummary> Trainer::FinalEvaluations() {
   // Each stops, without its line, where --exit-duration-in-mins is up, as Megatron's.
-  if (valid_loader_) {
-    PTK_ASSIGN_OR_RETURN(const std::optional<double> loss,
-                         Evaluate(valid_loader_.get(), fmt::format("iteration {} on validation set", state_.iteration),
-                                  nullptr, "lm loss validation", /*verbose=*/true));
-    if (loss) summary_.last_validation_loss = loss;
-  }
+  PTK_RETURN_IF_ERROR(EvaluateValidation(fmt::format("iteration {} on validation set", state_.iteration), nullptr,
+                                         /*verbose=*/true)
+                          .status());
   if (data_.test) {
     const int64_t mbs = plan_.micro_batch_size;
     DataLoader test_loader(data_.test, PretrainingSampler(data_.test->size(), 0, mbs, data_rank_, data_size_), mbs);
-    PTK_ASSIGN_OR_RETURN(summary_.test_loss,
-                         Evaluate(&test_loader, fmt::format("iteration {} on test set", state_.iteration), nullptr,
-                                  "lm loss test", /*verbose=*/true));
+    PTK_ASSIGN_OR_RETURN(summary_.test_loss, Evaluate(&test_loader, EvalItersExtent(o_.eval_iters, plan_), nullptr,
+                                                      {fmt::format("iteration {} on test set", state_.iteration),
+                                                       "validation", "lm loss test", /*verbose=*/true}));
   }
   return Close();
+}
+
+absl::StatusOr<TrainSummary> Trainer::SkipTraining() {
+  Print("skipping training (--skip-train is on) ...");
+  summary_.skipped_training = true;
+  return FinalEvaluations();
 }
 
 absl::StatusOr<TrainSummary> Trainer::Close() {

@@ -21,11 +21,12 @@ struct TrainSummary {
   int64_t iteration = 0;
   int64_t consumed_train_samples = 0;
   double last_lm_loss = 0;
-  std::optional<double> last_validation_loss, test_loss;
+  std::optional<double> last_validation_loss, test_loss;  // the validation loss: the first set's
   int64_t skipped_iterations = 0;
   std::string exit_reason;        // "" when train_iters was reached
   bool nothing_to_train = false;  // --load was at --train-iters already: no iteration ran (the evaluations did)
   bool resumed = false;
+  bool skipped_training = false;  // --skip-train: only the evaluations ran
 };
 
 // Runs `plan` (PlanTraining's, for options.comm's number of ranks).

@@ -102,16 +102,25 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   }
   if (!pipeline || pipeline->size() < 3) return s;
   // Only the first stage (tokens) and the last (labels, loss mask) read the data, as Megatron's
-  // is_built_on_rank; the first stage's split sizes to every stage.
-  int64_t sizes[3] = {-1, -1, -1};
+  // is_built_on_rank; the first stage's split sizes (and its validation sets' count and sizes) to every stage.
+  int64_t sizes[4] = {-1, -1, -1, 0};
   for (int i = 0; i < 3 && !middle; ++i) {
     const auto& split = i == 0 ? s.train : i == 1 ? s.valid : s.test;
     sizes[i] = split ? split->size() : -1;
   }
+  if (!middle) sizes[3] = static_cast<int64_t>(s.valid_sets.size());
   PTK_RETURN_IF_ERROR(pipeline->Broadcast(sizes, sizeof sizes, 0));
+  std::vector<int64_t> set_sizes(static_cast<size_t>(sizes[3]));
+  for (size_t k = 0; k < set_sizes.size() && !middle; ++k) set_sizes[k] = s.valid_sets[k]->size();
+  if (!set_sizes.empty())
+    PTK_RETURN_IF_ERROR(
+        pipeline->Broadcast(set_sizes.data(), static_cast<int64_t>(set_sizes.size() * sizeof(int64_t)), 0));
   if (!middle) return s;
   auto stand_in = [&](int64_t n) { return n < 0 ? nullptr : std::make_shared<StageStandInDataset>(n, cfg); };
-  return TrainingSplits{stand_in(sizes[0]), stand_in(sizes[1]), stand_in(sizes[2]), {}};
+  TrainingSplits stand_ins{stand_in(sizes[0]), stand_in(sizes[1]), stand_in(sizes[2]), {}, {}};
+  for (int64_t n : set_sizes) stand_ins.valid_sets.push_back(stand_in(n));
+  if (!stand_ins.valid_sets.empty()) stand_ins.valid = stand_ins.valid_sets[0];
+  return stand_ins;
 }
 
 namespace {
@@ -120,7 +129,9 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
   // given (or train_iters x global batch), not for the samples the iterations consume.
   const int64_t gbs = plan.global_batch_size, train_samples = plan.train_split_samples;
   const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
-  const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
+  const int64_t valid_samples = o.skip_train
+                                    ? eval_iters * gbs
+                                    : (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
   const int64_t test_samples = eval_iters * gbs;
   TrainingSplits s;
   if (o.mock_data) {
@@ -135,13 +146,20 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
     s.train = std::make_shared<MockDataset>(std::max(train_samples, plan.train_samples), o.model.vocab_size, mock);
     if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, mock);
     if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, mock);
+    if (s.valid) s.valid_sets = {s.valid};
     return s;
   }
   DataArgs args = o.data;
   args.sizes = {train_samples, valid_samples, test_samples};
-  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg, &s.warnings));
+  if (o.full_validation) args.sizes[1] = std::nullopt;  // one epoch of each validation set
+  args.multiple_validation_sets = o.multiple_validation_sets;
+  std::vector<std::shared_ptr<TopLevelDataset>> valid_sets;
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg, &s.warnings, &valid_sets));
   s.train = sets[0];
-  s.valid = eval_iters > 0 ? sets[1] : nullptr;
+  if (eval_iters > 0 || o.full_validation) {
+    s.valid = sets[1];
+    s.valid_sets = std::move(valid_sets);
+  }
   s.test = eval_iters > 0 ? sets[2] : nullptr;
   if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
   if (s.train->size() < plan.train_samples) return TrainSplitRunsOut(o, plan, s.train->size());
@@ -162,6 +180,7 @@ int64_t LastIteration(const TrainOptions& o, const TrainPlan& plan, int64_t iter
 
 absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, const TrainState& state,
                               const TrainingSplits& splits) {
+  if (o.skip_train) return absl::OkStatus();  // no iteration; each evaluation reads from the first sample
   bool final_evaluation = true;
   const int64_t it = state.iteration, last = LastIteration(o, plan, it, &final_evaluation);
   int64_t consumed = state.consumed_train_samples, runs_out = 0;
@@ -177,7 +196,8 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
         "stops too. Resume with the batch size the checkpoint was saved with",
         o.load, it, state.consumed_train_samples, last, consumed - state.consumed_train_samples, splits.train->size(),
         runs_out));
-  if (!splits.valid || o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
+  // --full-validation reads each validation set from its first sample at every evaluation.
+  if (!splits.valid || o.eval_iters <= 0 || o.eval_interval <= 0 || o.full_validation) return absl::OkStatus();
   // The evaluations every --eval-interval from here to `last` (none at or past it), and the final one.
   const int64_t evaluations =
       std::max<int64_t>(0, last / o.eval_interval - it / o.eval_interval) + (final_evaluation ? 1 : 0);

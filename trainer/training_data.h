@@ -19,15 +19,18 @@ namespace ptk {
 
 struct TrainingSplits {
   std::shared_ptr<TopLevelDataset> train, valid, test;
+  // The validation sets evaluated apart (--multiple-validation-sets: one per --valid-data-path prefix; else the
+  // validation split alone, or none); `valid` is the first.
+  std::vector<std::shared_ptr<TopLevelDataset>> valid_sets;
   std::vector<std::string> warnings;  // for the run to print: BuildGPTDatasets'
 };
 
 // The splits with Megatron's train_valid_test_num_samples for the plan (valid and test null
-// without evaluation); --mock-data: synthetic documents (an arithmetic run of token ids per
-// sample, EOD-separated), the same for every run with the same seed. With `pipeline` (a stage of
-// three or more, every stage calling it) a middle stage opens no data: its splits stand in with the
-// first stage's sizes and samples of token 0 (their sample indices, which key dropout, are the
-// first stage's).
+// without evaluation; --skip-train: --eval-iters global batches of each; --full-validation: one epoch of
+// the validation split, Megatron's num_samples None); --mock-data: synthetic documents (an arithmetic run of token ids
+// per sample, EOD-separated), the same for every run with the same seed. With `pipeline` (a stage of three or more,
+// every stage calling it) a middle stage opens no data: its splits stand in with the first stage's sizes and samples of
+// token 0 (their sample indices, which key dropout, are the first stage's).
 absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
                                                      Communicator* pipeline = nullptr);
 

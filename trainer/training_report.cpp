@@ -96,30 +96,56 @@ absl::Status Trainer::Log(const StepResult& r) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::optional<double>> Trainer::Evaluate(DataLoader* loader, const std::string& prefix,
-                                                        int64_t* consumed, const std::string& tb_tag, bool verbose) {
+absl::StatusOr<std::optional<double>> Trainer::Evaluate(DataLoader* loader, const EvaluationExtent& extent,
+                                                        int64_t* consumed, const EvaluationRun& run) {
   const IntervalPause paused(&interval_);  // no iteration's time, as in Megatron's train()
   const std::vector<int64_t>* positions = context_ ? &context_positions_ : nullptr;
   EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, positions, started_, nullptr};
-  if (verbose) pass.verbose = [this](const std::string& text) { Print(text); };
+  if (run.verbose) pass.verbose = [this](const std::string& text) { Print(text); };
   const auto t0 = Clock::now();
-  PTK_ASSIGN_OR_RETURN(const std::optional<double> loss, ptk::Evaluate(pass, o_, plan_, loader, prefix, consumed));
+  PTK_ASSIGN_OR_RETURN(const std::optional<double> loss, ptk::Evaluate(pass, o_, extent, loader, run.prefix, consumed));
   if (!loss) {
     Print("Exiting during evaluation, timelimit reached");
     return loss;
   }
   PTK_RETURN_IF_ERROR(
       LogEvaluateTime(world_, Seconds(t0), timers_->option(), [this](const std::string& text) { PrintAnyRank(text); }));
-  const std::string line = ValidationLine(prefix, *loss), bar(line.size() + 1, '-');
+  const std::string line = ValidationLine(run.prefix, *loss, run.set), bar(line.size() + 1, '-');
   PrintLast(bar);
   PrintLast(line);
   PrintLast(bar);
   if (outputs_.tb) {
-    TensorBoardScalar(tb_tag, *loss);
-    if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, *loss)));
+    TensorBoardScalar(run.tb_tag, *loss);
+    if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(run.tb_tag + " ppl", std::exp(std::min(20.0, *loss)));
     PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
   }
   return loss;
+}
+
+absl::StatusOr<bool> Trainer::EvaluateValidation(const std::string& prefix, int64_t* consumed, bool verbose) {
+  const int64_t mbs = plan_.micro_batch_size;
+  for (size_t k = 0; k < data_.valid_sets.size(); ++k) {
+    const std::string set = ValidationSetName(o_.multiple_validation_sets, k);
+    const EvaluationRun run{prefix, set, "lm loss " + set, verbose};
+    std::optional<double> loss;
+    if (valid_loader_) {
+      PTK_ASSIGN_OR_RETURN(loss, Evaluate(valid_loader_.get(), EvalItersExtent(o_.eval_iters, plan_), consumed, run));
+    } else {
+      const std::shared_ptr<TopLevelDataset>& ds = data_.valid_sets[k];
+      const EvaluationExtent extent = o_.full_validation ? FullValidationExtent(ds->size(), data_size_, plan_)
+                                                         : EvalItersExtent(o_.eval_iters, plan_);
+      if (extent.micro_batches == 0)
+        return absl::FailedPreconditionError(fmt::format(
+            "--full-validation: {} set holds {} sample(s), fewer than one micro-batch of {} on each of the {} "
+            "data-parallel rank(s): nothing to evaluate",
+            set, ds->size(), mbs, data_size_));
+      DataLoader loader(ds, PretrainingSampler(ds->size(), 0, mbs, data_rank_, data_size_), mbs);
+      PTK_ASSIGN_OR_RETURN(loss, Evaluate(&loader, extent, consumed, run));
+    }
+    if (!loss) return false;
+    if (k == 0) summary_.last_validation_loss = loss;
+  }
+  return true;
 }
 
 absl::Status Trainer::Sample() {

@@ -15,6 +15,7 @@
 #include "indexed_dataset/data_loader.h"
 #include "trainer/checkpoint.h"
 #include "trainer/comm.h"
+#include "trainer/evaluation.h"
 #include "trainer/gpt_model.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
@@ -85,13 +86,26 @@ class Trainer {
   // --tensorboard-log-interval, the log line (averaged over the interval) every --log-interval.
   absl::Status Log(const StepResult& r);
 
-  // Megatron's evaluate over eval_iters global batches, its 'evaluate' timer block, its lines and
-  // scalars; tb_tag is Megatron's "lm loss validation", or "lm loss test"; `verbose` (pretrain's
-  // evaluations after training) prints its 'Evaluating' lines. As Megatron's, it checks --exit-duration-in-mins after
-  // each of its iterations and stops when the time is up, with one line and no loss (nullopt): the
-  // loop then saves and exits as it does between iterations.
-  absl::StatusOr<std::optional<double>> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
-                                                 const std::string& tb_tag, bool verbose = false);
+  // Megatron's evaluate over `extent` of `loader`, its 'evaluate' timer block, its lines and
+  // scalars (none with --skip-train, as Megatron's write_to_tensorboard); `set` names it in the line ("validation",
+  // "validation-1"), tb_tag in TensorBoard ("lm loss validation", "lm loss test"); `verbose` (pretrain's evaluations
+  // after training) prints its 'Evaluating' lines. As Megatron's, it checks --exit-duration-in-mins after each of its
+  // iterations and stops when the time is up, with one line and no loss (nullopt): the loop then saves and exits as it
+  // does between iterations.
+  struct EvaluationRun {
+    std::string prefix, set, tb_tag;
+    bool verbose = false;
+  };
+  absl::StatusOr<std::optional<double>> Evaluate(DataLoader* loader, const EvaluationExtent& extent, int64_t* consumed,
+                                                 const EvaluationRun& run);
+
+  // Megatron's evaluate_and_print_results on the validation sets, one after the other: the split's loader read on
+  // from the samples consumed (adding to *consumed), or with --full-validation or --multiple-validation-sets each set
+  // from its first sample (--full-validation: all of it). False when --exit-duration-in-mins stopped it.
+  absl::StatusOr<bool> EvaluateValidation(const std::string& prefix, int64_t* consumed, bool verbose);
+
+  // --skip-train: Megatron's pretrain without train(): the evaluations of the loaded weights, no save.
+  absl::StatusOr<TrainSummary> SkipTraining();
 
   // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
   absl::Status Sample();
@@ -111,6 +125,9 @@ class Trainer {
   // After the last iteration (Megatron's pretrain after train): the profile, a save, the final
   // evaluation on the validation and test splits.
   absl::StatusOr<TrainSummary> Finish();
+
+  // Megatron's evaluations after training: the validation sets', then the test split's; then Close.
+  absl::StatusOr<TrainSummary> FinalEvaluations();
 
   // The summary; the metrics and event files closed with their errors checked.
   absl::StatusOr<TrainSummary> Close();

@@ -157,13 +157,16 @@ absl::Status Trainer::OpenDataAndOutputs() {
         cp_ > 1 ? fmt::format(" x {} context ranks (each {} positions of a sample)", cp_, o_.model.seq_length / cp_)
                 : "",
         plan_.global_batch_size);
+  if (o_.skip_train) return absl::OkStatus();  // no training loader, nothing written (no TensorBoard, as Megatron's)
   PTK_RETURN_IF_ERROR(
       OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, last_, &outputs_));
   train_loader_ = std::make_unique<DataLoader>(
       data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, data_rank_, data_size_),
       mbs);
   PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
-  if (data_.valid)
+  // One validation split read on across the evaluations; --full-validation's and --multiple-validation-sets' sets
+  // each get a loader from their first sample at every evaluation (EvaluateValidation).
+  if (data_.valid && !o_.full_validation && !o_.multiple_validation_sets)
     valid_loader_ = std::make_unique<DataLoader>(
         data_.valid,
         PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, data_rank_, data_size_), mbs);
