@@ -91,6 +91,16 @@ TEST_F(EvalModesCli, SkipTrainEvaluatesTheLoadedWeightsOnOneRankTwoDataRanksAndT
   }
 }
 
+// Megatron's --skip-train without --load: the randomly initialized model, at iteration 0, said in a note.
+TEST_F(EvalModesCli, SkipTrainWithoutLoadEvaluatesTheInitialWeights) {
+  auto r = RunCmd(Train(Data() + " --skip-train"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--skip-train without --load: the randomly initialized model is evaluated"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(LossLines(r.output, "validation", "iteration 0 on validation set").size(), 1u) << r.output;
+}
+
 TEST_F(EvalModesCli, FullValidationReadsTheWholeEpochOfTheValidationSplit) {
   // The validation split's epoch (Megatron's num_samples None), as the run builds it.
   DataArgs args;
