@@ -358,6 +358,10 @@ void SkipTrainSettings(TrainOptions* o, std::vector<std::string>* notes) {
   }
   if (o->load.empty() && o->pretrained_checkpoint.empty())
     notes->push_back("--skip-train without --load: the randomly initialized model is evaluated (as in Megatron)");
+  if (!o->tensorboard.dir.empty() || !o->metrics_path.empty())
+    notes->push_back(
+        "--tensorboard-dir / --metrics-file with --skip-train: nothing is written there (the losses are in the lines; "
+        "as in Megatron)");
   if (!o->save.empty()) {
     notes->push_back(fmt::format("--save {} with --skip-train: nothing is saved (no iteration runs)", o->save));
     o->save.clear();

@@ -1,7 +1,8 @@
 // ptk-train's evaluation modes end to end (Megatron's --skip-train, --full-validation,
 // --multiple-validation-sets), ranks as processes over loopback gloo: --skip-train evaluates the loaded
 // weights on the samples the saved run's final evaluation read (the same line, bit for bit), saves and
-// trains nothing, alike on one rank, 2 data-parallel ranks and 2 pipeline stages; --full-validation reads
+// trains nothing, alike on one rank and on 2 data-parallel, pipeline, tensor or context ranks; each
+// validation set alike on 3 stages (the middle one reads no data); --full-validation reads
 // the whole epoch of the validation split (Megatron's sampler's count); --multiple-validation-sets gives
 // each --valid-data-path prefix its line and TensorBoard tag; the bad combinations exit 2 with one line.
 #include <cmath>
@@ -59,11 +60,11 @@ class EvalModesCli : public testing::RanksTest {
   }
 };
 
-TEST_F(EvalModesCli, SkipTrainEvaluatesTheLoadedWeightsOnOneRankTwoDataRanksAndTwoStages) {
+TEST_F(EvalModesCli, SkipTrainEvaluatesTheLoadedWeightsOnEveryLayout) {
   const std::string final_line = Saved();
   ASSERT_FALSE(final_line.empty());
-  const std::string skip =
-      Train(Data() + " --skip-train --load " + ShellQuote(dir_ / "ckpt") + " --save " + ShellQuote(dir_ / "other"));
+  const std::string skip = Train(Data() + " --skip-train --load " + ShellQuote(dir_ / "ckpt") + " --save " +
+                                 ShellQuote(dir_ / "other") + " --tensorboard-dir " + ShellQuote(dir_ / "tb"));
   auto r = RunCmd(skip);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("skipping training (--skip-train is on) ..."), std::string::npos) << r.output;
@@ -80,9 +81,15 @@ TEST_F(EvalModesCli, SkipTrainEvaluatesTheLoadedWeightsOnOneRankTwoDataRanksAndT
   // Nothing saved: no iteration past 4 in --load, no --save directory.
   EXPECT_EQ(testing::ReadFile(dir_ / "ckpt/latest_checkpointed_iteration.txt"), "4");
   EXPECT_FALSE(std::filesystem::exists(dir_ / "other")) << r.output;
+  // Nor any TensorBoard scalar (Megatron's write_to_tensorboard=False with --skip-train).
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "tb")) << r.output;
+  EXPECT_NE(r.output.find("--tensorboard-dir / --metrics-file with --skip-train: nothing is written there"),
+            std::string::npos)
+      << r.output;
 
   const double one = LossOf(final_line);
-  for (const std::string layout : {"", "--pipeline-model-parallel-size 2"}) {
+  for (const std::string layout :
+       {"", "--pipeline-model-parallel-size 2", "--tensor-model-parallel-size 2", "--context-parallel-size 2"}) {
     auto two = Ranks(2, Train(Data() + " --skip-train --load " + ShellQuote(dir_ / "ckpt") + " " + layout));
     ASSERT_NE(two.output.find(AllZero(2)), std::string::npos) << layout << two.output;
     const auto lines = LossLines(two.output, "validation", "iteration 4 on validation set");
@@ -156,6 +163,26 @@ TEST_F(EvalModesCli, MultipleValidationSetsGiveALineAndATagEach) {
   ASSERT_EQ(one.size(), 1u);
   ASSERT_EQ(set1.size(), 1u);
   EXPECT_EQ(one[0].substr(one[0].find(" | ")), set1[0].substr(set1[0].find(" | "))) << r.output << alone.output;
+}
+
+// 3 stages: the middle one opens no data and stands in for each validation set with the first stage's size.
+TEST_F(EvalModesCli, MultipleValidationSetsOnThreeStagesAreOneRanks) {
+  const std::string other = dir_ / "other_text_document";
+  ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(other, 90, testing::kSmallVocabEod));
+  const std::string run =
+      Train(" --train-data-path " + ShellQuote(prefix_) + " --valid-data-path " + ShellQuote(other) + " " +
+            ShellQuote(prefix_) + " --skip-train --full-validation --multiple-validation-sets --num-layers 3");
+  auto one = RunCmd(run);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto three = Ranks(3, run + " --pipeline-model-parallel-size 3");
+  ASSERT_NE(three.output.find(AllZero(3)), std::string::npos) << three.output;
+  for (const char* set : {"validation-0", "validation-1"}) {
+    const auto a = LossLines(one.output, set, "iteration 0 on validation set");
+    const auto b = LossLines(three.output, set, "iteration 0 on validation set");
+    ASSERT_EQ(a.size(), 1u) << one.output;
+    ASSERT_EQ(b.size(), 1u) << three.output;
+    EXPECT_NEAR(LossOf(b[0]), LossOf(a[0]), 1e-5 * LossOf(a[0])) << set << three.output;
+  }
 }
 
 TEST_F(EvalModesCli, BadCombinationsExitTwoWithOneLine) {
