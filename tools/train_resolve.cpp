@@ -348,10 +348,20 @@ void NoteFlagsWithoutTheirTarget(const TrainFlags& f, const TrainOptions& o, std
     if (given) load += (load.empty() ? "" : ", ") + std::string(name);
   if (!load.empty() && o.load.empty() && o.pretrained_checkpoint.empty())
     notes->push_back(load + " without --load: nothing is loaded; the run starts from random initialization");
+  for (int64_t it : o.iterations_to_skip)
+    if (it < 0)
+      notes->push_back(fmt::format(
+          "--iterations-to-skip {}: accepted, skips nothing: the count of iterations done is never negative (as "
+          "Megatron)",
+          it));
 }
 
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
+  if (out->no_initialization && out->load.empty() && out->pretrained_checkpoint.empty())
+    return Refuse(
+        "--no-initialization without --load (or --pretrained-checkpoint): no weights to start from (Megatron would "
+        "train from uninitialised memory)");
   TrainOptions& o = *out;
   if (o.save_interval > 0 && o.save.empty())
     notes->push_back(

@@ -71,6 +71,11 @@ struct TrainOptions {
   // the global batch grows from START by INCR up to --global-batch-size over SAMPLES samples.
   // Empty: the batch is --global-batch-size throughout.
   std::vector<int64_t> rampup_batch_size;
+  // Megatron's --iterations-to-skip: where the iteration counter (the iterations done so far, one less than the
+  // number the step's log line would show) is one of these, the step's global batch is read and dropped: the counter
+  // and the consumed (and skipped) samples advance, nothing else runs (no step, no scheduler step, no log line,
+  // evaluation, sample, save or exit check). Any order, repeats and numbers never reached are harmless.
+  std::vector<int64_t> iterations_to_skip;
 
   OptimizerConfig optimizer;
   // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,
@@ -118,6 +123,9 @@ struct TrainOptions {
   // counts against a job's time limit too. Unset (the epoch): from RunTraining's call.
   std::chrono::steady_clock::time_point started{};
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  // Megatron's --no-initialization (perform_initialization off): the weights are not drawn, only loaded; ptk refuses
+  // the run where no checkpoint is there to load (Megatron would train from uninitialised memory).
+  bool no_initialization = false;
   // Megatron's --exit-on-missing-checkpoint: a --load without a checkpoint stops the run (exit 1) instead of
   // starting from random initialization (Megatron's sys.exit() exits 0 there).
   bool exit_on_missing_checkpoint = false;

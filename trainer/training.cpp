@@ -2,6 +2,7 @@
 // exits (the start-up: training_setup.cpp; the reports: training_report.cpp).
 #include "trainer/training.h"
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -79,6 +80,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
               world_->size() > 1 ? fmt::format(", from the last rank, {}", world_->size() - 1) : "");
   while (state_.iteration < plan_.train_iters) {
     PTK_RETURN_IF_ERROR(UpdateBatchSize());
+    if (SkipsNextIteration()) {  // as Megatron's: no log line, evaluation, sample, save or exit check
+      PTK_RETURN_IF_ERROR(SkipIteration());
+      continue;
+    }
     t0 = Clock::now();
     PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
     if (lead_ && state_.iteration == first) log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
@@ -121,6 +126,22 @@ absl::Status Trainer::UpdateBatchSize() {
   held_.resize(num_micro);
   keys_.resize(num_micro);
   batches_.resize(num_micro);
+  return absl::OkStatus();
+}
+
+bool Trainer::SkipsNextIteration() const {
+  const std::vector<int64_t>& skip = o_.iterations_to_skip;
+  return std::find(skip.begin(), skip.end(), state_.iteration) != skip.end();
+}
+
+absl::Status Trainer::SkipIteration() {
+  for (size_t m = 0; m < held_.size(); ++m) {
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<MicroBatch> dropped, train_loader_->Next());
+    if (!dropped) return absl::OutOfRangeError("the training data ran out before --train-iters");
+  }
+  ++state_.iteration;
+  state_.consumed_train_samples += current_gbs_;
+  state_.skipped_train_samples += current_gbs_;
   return absl::OkStatus();
 }
 
@@ -224,6 +245,7 @@ absl::StatusOr<TrainSummary> Trainer::Close() {
   summary_.iteration = state_.iteration;
   summary_.consumed_train_samples = state_.consumed_train_samples;
   summary_.skipped_iterations = state_.skipped_iterations;
+  summary_.skipped_train_samples = state_.skipped_train_samples;
   PTK_RETURN_IF_ERROR(outputs_.metrics.Close());
   if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Close());
   return summary_;

@@ -215,6 +215,11 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
 
 absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
   PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
+  if (o.no_initialization)
+    return UsageError(fmt::format(
+        "--no-initialization: --load {}: no weights to start from (Megatron would train from uninitialised memory); "
+        "drop --no-initialization, or give --load a checkpoint",
+        StatusMessage(why)));
   if (o.exit_on_missing_checkpoint)
     return absl::NotFoundError(
         fmt::format("--load {}; --exit-on-missing-checkpoint: stopping instead of starting from random initialization",

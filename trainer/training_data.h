@@ -47,7 +47,8 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
 
 // --load holds no checkpoint (`why`: NotFound, naming what is missing): a --load inside a checkpoint directory
-// refused (CheckLoadIsACheckpointDirectory), and with --exit-on-missing-checkpoint the run stopped naming --load;
+// refused (CheckLoadIsACheckpointDirectory), with --no-initialization a usage error (no weights to start from), and
+// with --exit-on-missing-checkpoint the run stopped naming --load;
 // else OK, the run starting from random initialization with a line from `lead` (a warning where --load is not
 // --save: --load = --save is how every first run starts, another --load was meant to hold a checkpoint).
 absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);

@@ -46,7 +46,8 @@ absl::Status Trainer::SetUp() {
       log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp_,
                 shard.shard_size, model_->num_params());
   }
-  PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
+  // --no-initialization: the checkpoint Resume loads writes every weight (it refuses the run where there is none).
+  if (!o_.no_initialization) PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
   // Megatron's line from each tensor rank and stage of the first data-parallel rank.
   if ((tensor_ || pipe_) && rank_ == 0)
     PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",

@@ -1,0 +1,181 @@
+// ptk-train's --iterations-to-skip against what Megatron's train loop does with it (megatron/training/training.py,
+// core_v0.16.1: where the count of iterations done is in the list, dummy_train_step reads the step's micro-batches
+// and drops them, the counter and consumed/skipped samples advance, and the loop goes on without train_step, its
+// log, evaluation, save or exit check): the skipped global batches never reach a step, a skip leaves the model, the
+// moments and the scheduler as they were, a resume from a checkpoint before a skip gives the uninterrupted run's
+// bits (one and two data ranks, gradient accumulation), two pipeline stages skip as one, and the flag's odd values.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+
+namespace ptk {
+namespace {
+
+using ptk::testing::RunCmd;
+using ptk::testing::ShellQuote;
+using Saved = testing::SavedCheckpoint;
+
+class IterationsToSkipCli : public testing::RanksTest {
+ protected:
+  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
+  IterationsToSkipCli() : RanksTest(testing::kSmallVocabEod) {}
+  // Global batch 6 of micro-batches of 1: 6 micro-batches a step on one rank, 3 on each of two. Dropout on. The
+  // schedule's length is given (8 iterations), so that runs of other lengths share it.
+  std::string Train(const std::string& extra, int64_t iters = 8) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 6 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --lr-decay-iters 8 --weight-decay 0.1 --split 98,2,0 --eval-iters 0 --log-interval 1 --threads 1"
+           " --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + " " + extra;
+  }
+  Saved Load(const std::string& dir, int64_t iteration) {
+    return testing::LoadTinyCheckpoint(dir, iteration, 1000, 1024);
+  }
+  testing::CommandResult RunAt(int world, const std::string& cmd) {
+    return world == 1 ? RunCmd(cmd) : Ranks(world, cmd);
+  }
+  void ExpectOk(int world, const testing::CommandResult& r) {
+    if (world == 1) {
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    } else {
+      EXPECT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+    }
+  }
+  static void ExpectSameModel(const Saved& a, const Saved& b, const std::string& what) {
+    EXPECT_EQ(a.state.adam_step, b.state.adam_step) << what;
+    EXPECT_EQ(a.state.scheduler_num_steps, b.state.scheduler_num_steps) << what;
+    EXPECT_TRUE(a.params == b.params) << what << ": weights differ";
+    EXPECT_TRUE(a.m == b.m) << what << ": exp_avg differs";
+    EXPECT_TRUE(a.v == b.v) << what << ": exp_avg_sq differs";
+  }
+};
+
+std::vector<int> Iterations(const std::vector<std::pair<int, double>>& losses) {
+  std::vector<int> v;
+  for (const auto& [it, loss] : losses) v.push_back(it);
+  return v;
+}
+
+TEST_F(IterationsToSkipCli, SkippedBatchesNeverReachAStep) {
+  // --lr 0: the weights stay the initial ones, so each logged loss is its own batch's. Skipping the steps that start
+  // with 3 and 5 iterations done drops the 4th and 6th batches, and every other step sees the batch it would have.
+  const std::string still = "--lr 0 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style constant ";
+  auto plain = RunCmd(Train(still));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  auto skip = RunCmd(Train(still + "--iterations-to-skip 5 3 3"));  // any order, repeats: a set, as Megatron's `in`
+  ASSERT_EQ(skip.exit_code, 0) << skip.output;
+  const auto all = Losses(plain.output), kept = Losses(skip.output);
+  ASSERT_EQ(all.size(), 8u) << plain.output;
+  EXPECT_EQ(Iterations(kept), (std::vector<int>{1, 2, 3, 5, 7, 8})) << skip.output;
+  for (const auto& [it, loss] : kept)
+    EXPECT_EQ(loss, all[static_cast<size_t>(it - 1)].second) << "iteration " << it << " trained on another batch";
+  // Megatron's fields: the samples consumed count the skipped ones, which the line shows once there are any.
+  EXPECT_NE(skip.output.find("iteration        3/       8 | consumed samples:           18 | elapsed"),
+            std::string::npos)
+      << skip.output;
+  EXPECT_NE(skip.output.find("iteration        5/       8 | consumed samples:           30 | skipped samples:          "
+                             "  6 |"),
+            std::string::npos)
+      << skip.output;
+  EXPECT_NE(skip.output.find("done: iteration 8, 48 samples consumed (12 skipped: --iterations-to-skip)"),
+            std::string::npos)
+      << skip.output;
+}
+
+TEST_F(IterationsToSkipCli, ASkipLeavesModelMomentsAndScheduleAsTheyWere) {
+  // The last step skipped: the final checkpoint holds the state after the 3 steps that ran, bit for bit, with the
+  // counter and the consumed samples one batch further. And the learning rate after a skip is the one the skipped
+  // step would have had: the scheduler did not move.
+  auto three = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "three"), 4));
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  auto skip = RunCmd(Train("--iterations-to-skip 3 --save " + ShellQuote(dir_ / "skip"), 4));
+  ASSERT_EQ(skip.exit_code, 0) << skip.output;
+  const Saved a = Load(dir_ / "three", 3), b = Load(dir_ / "skip", 4);
+  ExpectSameModel(a, b, "after a skipped last step");
+  EXPECT_EQ(a.state.consumed_train_samples, 18);
+  EXPECT_EQ(b.state.iteration, 4);
+  EXPECT_EQ(b.state.consumed_train_samples, 24);
+  EXPECT_EQ(b.state.skipped_train_samples, 6);
+  EXPECT_EQ(a.state.skipped_train_samples, 0);
+  auto lr = [](const std::string& out, int it) {
+    const std::string key = "iteration " + std::string(8 - std::to_string(it).size(), ' ') + std::to_string(it) + "/";
+    const size_t at = out.find(key), rate = out.find("learning rate: ", at);
+    return at == std::string::npos ? std::string("none") : out.substr(rate + 15, 12);
+  };
+  auto plain = RunCmd(Train(""));
+  auto middle = RunCmd(Train("--iterations-to-skip 1"));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(middle.exit_code, 0) << middle.output;
+  EXPECT_EQ(lr(middle.output, 3), lr(plain.output, 2)) << middle.output;
+  EXPECT_EQ(lr(middle.output, 8), lr(plain.output, 7)) << middle.output;
+  EXPECT_EQ(lr(middle.output, 2), "none") << "a skipped iteration has no log line";
+}
+
+TEST_F(IterationsToSkipCli, AResumeBeforeOrAfterASkipGivesTheUninterruptedBits) {
+  // One rank (6 micro-batches a step) and two data ranks (3 each): stopped at iteration 2 (before both skips) and
+  // at 5 (between them), resumed with the same flag: the uninterrupted run's log lines and final checkpoint.
+  const std::string skip = "--iterations-to-skip 3 5 ";
+  for (int world : {1, 2}) {
+    const std::string w = std::to_string(world), whole = dir_ / ("whole" + w);
+    auto u = RunAt(world, Train(skip + "--save " + ShellQuote(whole)));
+    ASSERT_NO_FATAL_FAILURE(ExpectOk(world, u));
+    const auto lines = Lines(u.output);
+    ASSERT_EQ(lines.size(), 6u) << u.output;
+    const Saved end = Load(whole, 8);
+    EXPECT_EQ(end.state.skipped_train_samples, 12);
+    EXPECT_EQ(end.state.consumed_train_samples, 48);
+    for (int stop : {2, 5}) {
+      const std::string what = w + " rank(s), stopped at " + std::to_string(stop);
+      const std::string ck = dir_ / ("ck" + w + "_" + std::to_string(stop));
+      auto first = RunAt(world, Train(skip + "--exit-interval " + std::to_string(stop) + " --save " + ShellQuote(ck)));
+      ASSERT_NO_FATAL_FAILURE(ExpectOk(world, first));
+      EXPECT_EQ(Load(ck, stop).state.skipped_train_samples, stop == 5 ? 6 : 0) << what;
+      auto rest = RunAt(world, Train(skip + "--load " + ShellQuote(ck) + " --save " + ShellQuote(ck)));
+      ASSERT_NO_FATAL_FAILURE(ExpectOk(world, rest));
+      const size_t done = stop == 2 ? 2 : 4;  // log lines before the stop: iterations 1, 2 (and 3, 5)
+      EXPECT_EQ(Lines(rest.output), std::vector<std::string>(lines.begin() + static_cast<long>(done), lines.end()))
+          << what;
+      const Saved resumed = Load(ck, 8);
+      ExpectSameModel(end, resumed, what);
+      EXPECT_EQ(resumed.state.consumed_train_samples, 48) << what;
+      EXPECT_EQ(resumed.state.skipped_train_samples, 12) << what;
+    }
+  }
+}
+
+TEST_F(IterationsToSkipCli, TwoPipelineStagesSkipAsOne) {
+  // Two stages: the first reads the batches, the last its stand-ins; both skip the same steps. The losses are one
+  // rank's (the stages' sums differ in their last bits at most).
+  const std::string small = "--make-vocab-size-divisible-by 512 --iterations-to-skip 3 5 ";
+  auto one = RunCmd(Train(small));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(small + "--pipeline-model-parallel-size 2"), Losses(one.output), 6,
+                                          1e-6, "P=2 skipping 3 and 5", &out));
+  EXPECT_EQ(Iterations(Losses(out)), (std::vector<int>{1, 2, 3, 5, 7, 8})) << out;
+}
+
+TEST_F(IterationsToSkipCli, OddValuesAreTakenAsMegatronTakesThem) {
+  // A negative number: never the count of iterations done (Megatron accepts it too); a note says so. Numbers past
+  // the run skip nothing. No number, or not a number: a usage error (argparse's nargs '+' of int).
+  auto neg = RunCmd(Train("--iterations-to-skip -2 100", 2));
+  EXPECT_EQ(neg.exit_code, 0) << neg.output;
+  EXPECT_NE(neg.output.find("--iterations-to-skip -2: accepted, skips nothing"), std::string::npos) << neg.output;
+  EXPECT_EQ(Iterations(Losses(neg.output)), (std::vector<int>{1, 2})) << neg.output;
+  for (const char* bad : {"--iterations-to-skip", "--iterations-to-skip three", "--iterations-to-skip 2.5"}) {
+    auto r = RunCmd(Train(bad, 2));
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("--iterations-to-skip"), std::string::npos) << bad << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace ptk
