@@ -4,6 +4,7 @@
 // log, evaluation, save or exit check): the skipped global batches never reach a step, a skip leaves the model, the
 // moments and the scheduler as they were, a resume from a checkpoint before a skip gives the uninterrupted run's
 // bits (one and two data ranks, gradient accumulation), two pipeline stages skip as one, and the flag's odd values.
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,15 +27,15 @@ class IterationsToSkipCli : public testing::RanksTest {
   IterationsToSkipCli() : RanksTest(testing::kSmallVocabEod) {}
   // Global batch 6 of micro-batches of 1: 6 micro-batches a step on one rank, 3 on each of two. Dropout on. The
   // schedule's length is given (8 iterations), so that runs of other lengths share it.
+  // `iters` 0: the caller gives --train-samples (and the schedule's length in samples, or none).
   std::string Train(const std::string& extra, int64_t iters = 8) {
     return testing::Tool("ptk-train") +
            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
            testing::SmallVocabFlags() +
            " --global-batch-size 6 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --lr-decay-iters 8 --weight-decay 0.1 --split 98,2,0 --eval-iters 0 --log-interval 1 --threads 1"
-           " --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + " " + extra;
+           " --weight-decay 0.1 --split 98,2,0 --eval-iters 0 --log-interval 1 --threads 1 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") +
+           (iters > 0 ? " --lr-decay-iters 8 --train-iters " + std::to_string(iters) : std::string()) + " " + extra;
   }
   Saved Load(const std::string& dir, int64_t iteration) {
     return testing::LoadTinyCheckpoint(dir, iteration, 1000, 1024);
@@ -161,6 +162,43 @@ TEST_F(IterationsToSkipCli, TwoPipelineStagesSkipAsOne) {
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(small + "--pipeline-model-parallel-size 2"), Losses(one.output), 6,
                                           1e-6, "P=2 skipping 3 and 5", &out));
   EXPECT_EQ(Iterations(Losses(out)), (std::vector<int>{1, 2, 3, 5, 7, 8})) << out;
+}
+
+// Each log line's iteration, consumed samples and global batch size.
+std::vector<std::string> Batches(const std::string& out) {
+  std::vector<std::string> v;
+  const std::regex re(R"(iteration +\d+/ +\d+ \| consumed samples: +\d+ \|)");
+  const std::regex gbs(R"(global batch size: +\d+ \|)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it) {
+    std::smatch m;
+    const std::string rest = out.substr(static_cast<size_t>(it->position()));
+    std::regex_search(rest, m, gbs);
+    v.push_back(it->str() + " " + m.str());
+  }
+  return v;
+}
+
+TEST_F(IterationsToSkipCli, ARampSkipsTheBatchOfItsPlace) {
+  // --rampup-batch-size 2 2 12 to 6: the batch follows the samples consumed, which a skip advances as a step does,
+  // so the skipped run's lines show the plain run's consumed samples and batch sizes at the same iterations, and its
+  // losses (--lr 0) the plain run's.
+  const std::string ramp =
+      "--lr 0 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style constant --rampup-batch-size 2 2 12 "
+      "--train-samples 40 ";
+  auto plain = RunCmd(Train(ramp, 0));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  auto skip = RunCmd(Train(ramp + "--iterations-to-skip 1 4", 0));
+  ASSERT_EQ(skip.exit_code, 0) << skip.output;
+  const auto all = Batches(plain.output), kept = Batches(skip.output);
+  ASSERT_GE(all.size(), 6u) << plain.output;
+  ASSERT_EQ(kept.size(), all.size() - 2) << skip.output;
+  std::vector<std::string> expected = all;
+  expected.erase(expected.begin() + 4);  // iteration 5
+  expected.erase(expected.begin() + 1);  // iteration 2
+  EXPECT_EQ(kept, expected);
+  const auto losses = Losses(plain.output);
+  for (const auto& [it, loss] : Losses(skip.output))
+    EXPECT_EQ(loss, losses[static_cast<size_t>(it - 1)].second) << "iteration " << it;
 }
 
 TEST_F(IterationsToSkipCli, OddValuesAreTakenAsMegatronTakesThem) {
