@@ -73,7 +73,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
   Print("training ...");
   if (state_.iteration >= plan_.train_iters) return NothingToTrain();
-  const int64_t first = state_.iteration + 1;
+  // The first iteration that trains (--iterations-to-skip's are read and dropped, without a line).
+  int64_t first = state_.iteration + 1;
+  const std::vector<int64_t>& skip = o_.iterations_to_skip;
+  while (first < plan_.train_iters && std::find(skip.begin(), skip.end(), first - 1) != skip.end()) ++first;
   // On several ranks the log line is the last rank's (print_rank_last): rank 0's output never holds it.
   if (lead_)
     log::Info("start-up: iteration {} running (its log line comes after it{}) ...", first,

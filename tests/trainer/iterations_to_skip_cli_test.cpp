@@ -208,6 +208,12 @@ TEST_F(IterationsToSkipCli, OddValuesAreTakenAsMegatronTakesThem) {
   EXPECT_EQ(neg.exit_code, 0) << neg.output;
   EXPECT_NE(neg.output.find("--iterations-to-skip -2: accepted, skips nothing"), std::string::npos) << neg.output;
   EXPECT_EQ(Iterations(Losses(neg.output)), (std::vector<int>{1, 2})) << neg.output;
+  // 0: the first step; the start-up lines name the first one that trains.
+  auto zero = RunCmd(Train("--iterations-to-skip 0", 2));
+  EXPECT_EQ(zero.exit_code, 0) << zero.output;
+  EXPECT_EQ(Iterations(Losses(zero.output)), (std::vector<int>{2})) << zero.output;
+  EXPECT_NE(zero.output.find("start-up: iteration 2 running"), std::string::npos) << zero.output;
+  EXPECT_NE(zero.output.find("start-up: iteration 2 done"), std::string::npos) << zero.output;
   for (const char* bad : {"--iterations-to-skip", "--iterations-to-skip three", "--iterations-to-skip 2.5"}) {
     auto r = RunCmd(Train(bad, 2));
     EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
