@@ -379,6 +379,10 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
                   "counter and consumed samples advance, the learning-rate schedule does not (Megatron's)")
       ->check(IntIn(-kMaxCount, kMaxCount))
       ->default_str("");
+  app->add_flag("--decrease-batch-size-if-needed", o.decrease_batch_size_if_needed,
+                "Where --micro-batch-size x data-parallel size does not divide --global-batch-size, train each "
+                "iteration on its largest multiple within it and count the rest as skipped samples (Megatron's; "
+                "not with --rampup-batch-size)");
   app->add_flag_callback(
          "--use-checkpoint-args",
          [app, f] {

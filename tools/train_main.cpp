@@ -289,8 +289,8 @@ void PrintDone(const ptk::TrainSummary& s) {
   }
   ptk::log::Info(
       "done: iteration {}, {} samples consumed{}, last lm loss {:.6f}{}{}", s.iteration, s.consumed_train_samples,
-      s.skipped_train_samples > 0 ? fmt::format(" ({} skipped: --iterations-to-skip)", s.skipped_train_samples) : "",
-      s.last_lm_loss, s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
+      s.skipped_train_samples > 0 ? fmt::format(" ({} skipped)", s.skipped_train_samples) : "", s.last_lm_loss,
+      s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
       s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
 }
 

@@ -241,10 +241,6 @@ constexpr Group kGroups[] = {
            "reads its own training split from that split's first sample (--train-samples runs only); a ptk resume "
            "reads on from the samples consumed",
      "--phase-transition-iterations="},
-    {true, "a global batch cut to fit is not implemented: Megatron then trains each iteration on the largest multiple "
-           "of --micro-batch-size x data-parallel size within --global-batch-size and counts the rest as skipped "
-           "samples; give a --global-batch-size they divide",
-     "--decrease-batch-size-if-needed"},
     {true, "Megatron's fault-tolerance machinery is not implemented; --exit-signal-handler saves on SIGTERM and a relaunch with --load resumes",
      "--adlr-autoresume --adlr-autoresume-interval= --calc-ft-timeouts --enable-ft-package "
      "--error-injection-rate= --error-injection-type= --ft-num-warmup-iters= "

@@ -76,6 +76,9 @@ struct TrainOptions {
   // and the consumed (and skipped) samples advance, nothing else runs (no step, no scheduler step, no log line,
   // evaluation, sample, save or exit check). Any order, repeats and numbers never reached are harmless.
   std::vector<int64_t> iterations_to_skip;
+  // Megatron's --decrease-batch-size-if-needed: a --global-batch-size that --micro-batch-size x data-parallel size
+  // does not divide is cut, each iteration, to its largest multiple; the rest of it counts as skipped samples.
+  bool decrease_batch_size_if_needed = false;
 
   OptimizerConfig optimizer;
   // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,
@@ -188,7 +191,7 @@ struct TrainPlan {
   int data_parallel_size = 1;
   int64_t micro_batch_size = 1;
   int64_t micro_batches = 1;      // per rank and iteration (gradient accumulation)
-  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size
+  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size (but see decrease_batch_size)
   int64_t train_iters = 0;        // --train-iters, or the iterations --train-samples makes (update_train_iters)
   int64_t train_samples = 0;      // what the iterations consume (each its global batch)
   // The training split's num_samples, as Megatron's get_train_valid_test_num_samples builds it:
@@ -203,8 +206,15 @@ struct TrainPlan {
   // Megatron's running global batch size after `consumed` training samples: the start size plus
   // one increment per (rampup samples / increments) samples consumed, then global_batch_size.
   int64_t GlobalBatchSizeAt(int64_t consumed) const;
+  // --decrease-batch-size-if-needed (Megatron's running global batch size): what an iteration trains on, the
+  // largest multiple of micro_batch_size x data_parallel_size within GlobalBatchSizeAt; that size without it.
+  bool decrease_batch_size = false;
+  int64_t RunningGlobalBatchSizeAt(int64_t consumed) const {
+    const int64_t unit = micro_batch_size * data_parallel_size;
+    return decrease_batch_size ? GlobalBatchSizeAt(consumed) / unit * unit : GlobalBatchSizeAt(consumed);
+  }
   int64_t MicroBatchesAt(int64_t consumed) const {
-    return GlobalBatchSizeAt(consumed) / (micro_batch_size * data_parallel_size);
+    return RunningGlobalBatchSizeAt(consumed) / (micro_batch_size * data_parallel_size);
   }
 };
 

@@ -118,8 +118,11 @@ absl::StatusOr<TrainSummary> Trainer::NothingToTrain() {
 }
 
 absl::Status Trainer::UpdateBatchSize() {
-  const int64_t gbs = plan_.GlobalBatchSizeAt(state_.consumed_train_samples);
+  const int64_t gbs = plan_.RunningGlobalBatchSizeAt(state_.consumed_train_samples);
   if (gbs == current_gbs_) return absl::OkStatus();
+  if (lead_ && plan_.decrease_batch_size)  // Megatron's calculator's line (its missing space too)
+    log::Info("decreasing batch size from {} to {}to keep divisiblity by micro_batch_size={} * data_parallel_size={}",
+              plan_.global_batch_size, gbs, plan_.micro_batch_size, plan_.data_parallel_size);
   if (lead_ && plan_.rampup_start > 0)
     log::Info("{}", current_gbs_ == 0 ? fmt::format("setting initial batch size to {}", gbs)
                                       : fmt::format("ramping up batch size from {} to {}", current_gbs_, gbs));
@@ -163,6 +166,9 @@ absl::StatusOr<StepResult> Trainer::TrainIteration() {
   if (o_.check_for_nan_in_loss_and_grad && !r.overflow)
     PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state_.iteration + 1, rank_));
   ++state_.iteration;
+  // --decrease-batch-size-if-needed: the part of the global batch the iteration did not train on (Megatron's
+  // current minus running global batch size).
+  state_.skipped_train_samples += plan_.GlobalBatchSizeAt(state_.consumed_train_samples) - current_gbs_;
   state_.consumed_train_samples += current_gbs_;
   interval_.Add(r);
   if (r.skipped) ++state_.skipped_iterations;

@@ -3,7 +3,8 @@
 // and drops them, the counter and consumed/skipped samples advance, and the loop goes on without train_step, its
 // log, evaluation, save or exit check): the skipped global batches never reach a step, a skip leaves the model, the
 // moments and the scheduler as they were, a resume from a checkpoint before a skip gives the uninterrupted run's
-// bits (one and two data ranks, gradient accumulation), two pipeline stages skip as one, and the flag's odd values.
+// bits (one and two data ranks, gradient accumulation), two pipeline stages skip as one, a ramp's skip, the flag's odd
+// values; and --decrease-batch-size-if-needed, whose cut-off samples count as skipped too.
 #include <regex>
 #include <string>
 #include <utility>
@@ -86,9 +87,7 @@ TEST_F(IterationsToSkipCli, SkippedBatchesNeverReachAStep) {
                              "  6 |"),
             std::string::npos)
       << skip.output;
-  EXPECT_NE(skip.output.find("done: iteration 8, 48 samples consumed (12 skipped: --iterations-to-skip)"),
-            std::string::npos)
-      << skip.output;
+  EXPECT_NE(skip.output.find("done: iteration 8, 48 samples consumed (12 skipped)"), std::string::npos) << skip.output;
 }
 
 TEST_F(IterationsToSkipCli, ASkipLeavesModelMomentsAndScheduleAsTheyWere) {
@@ -199,6 +198,45 @@ TEST_F(IterationsToSkipCli, ARampSkipsTheBatchOfItsPlace) {
   const auto losses = Losses(plain.output);
   for (const auto& [it, loss] : Losses(skip.output))
     EXPECT_EQ(loss, losses[static_cast<size_t>(it - 1)].second) << "iteration " << it;
+}
+
+// Megatron's --decrease-batch-size-if-needed (its microbatch calculator's running global batch size): a global batch
+// of 7 over 2 data ranks of micro-batches of 1 trains on 6 samples an iteration, counts 1 skipped, and otherwise is
+// the run of a global batch of 6 (a constant learning rate: the schedule's lengths count global batches of 7).
+TEST_F(IterationsToSkipCli, DecreaseBatchSizeIfNeededTrainsTheLargestMultiple) {
+  const std::string constant = "--lr-warmup-iters 0 --lr-decay-style constant ";
+  auto six = Ranks(2, Train(constant + "--save " + ShellQuote(dir_ / "six"), 4));
+  ASSERT_NO_FATAL_FAILURE(ExpectOk(2, six));
+  auto seven = Ranks(
+      2, Train(constant + "--global-batch-size 7 --decrease-batch-size-if-needed --save " + ShellQuote(dir_ / "seven"),
+               4));
+  ASSERT_NO_FATAL_FAILURE(ExpectOk(2, seven));
+  EXPECT_NE(seven.output.find("decreasing batch size from 7 to 6to keep divisiblity by micro_batch_size=1 * "
+                              "data_parallel_size=2"),
+            std::string::npos)
+      << seven.output;
+  EXPECT_NE(seven.output.find("consumed samples:           24 | skipped samples:            4 |"), std::string::npos)
+      << seven.output;
+  EXPECT_NE(seven.output.find("global batch size:     6 |"), std::string::npos) << seven.output;
+  EXPECT_EQ(Losses(seven.output), Losses(six.output));
+  const Saved a = Load(dir_ / "six", 4), b = Load(dir_ / "seven", 4);
+  ExpectSameModel(a, b, "a global batch of 7 cut to 6");
+  EXPECT_EQ(b.state.consumed_train_samples, 24);
+  EXPECT_EQ(b.state.skipped_train_samples, 4);
+  // Without the flag, or with nothing left, or with a ramp: refused (exit 2) naming why.
+  auto plain = Ranks(2, Train("--global-batch-size 7", 4));
+  EXPECT_NE(plain.output.find("must be a multiple of --micro-batch-size (1) x data-parallel size (2) (or give "
+                              "--decrease-batch-size-if-needed)"),
+            std::string::npos)
+      << plain.output;
+  auto none = RunCmd(Train("--micro-batch-size 8 --decrease-batch-size-if-needed", 4));
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("no micro-batch is left"), std::string::npos) << none.output;
+  auto ramp = RunCmd(Train("--decrease-batch-size-if-needed --rampup-batch-size 2 2 12 --train-samples 40", 0));
+  EXPECT_EQ(ramp.exit_code, 2) << ramp.output;
+  EXPECT_NE(ramp.output.find("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented"),
+            std::string::npos)
+      << ramp.output;
 }
 
 TEST_F(IterationsToSkipCli, OddValuesAreTakenAsMegatronTakesThem) {
