@@ -391,8 +391,8 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     sc.wsd_decay_steps = static_cast<int64_t>(NumAttr(args, "lr_wsd_decay_samples").value_or(0));
     sc.wsd_decay_style = StrAttr(args, "lr_wsd_decay_style").value_or("exponential");
     state.scheduler = sc;
-  } else {  // the samples the steps consumed: --iterations-to-skip's advanced no scheduler
-    state.scheduler_num_steps = state.consumed_train_samples - state.skipped_train_samples;
+  } else {
+    state.scheduler_num_steps = state.consumed_train_samples;
   }
   if (const PyValue* opt = s->release ? nullptr : root.Get("optimizer")) {
     const PyValue* gs = opt->Get("grad_scaler");
