@@ -379,6 +379,10 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
                   "counter and consumed samples advance, the learning-rate schedule does not (Megatron's)")
       ->check(IntIn(-kMaxCount, kMaxCount))
       ->default_str("");
+  app->add_option("--phase-transition-iterations", f->phase_transition_iterations,
+                  "Comma-separated iterations where training phases end: save and exit there; each phase reads its "
+                  "own training split (from one transition to the next, in global batches) from its first sample, "
+                  "so the relaunch may give the next phase's data (Megatron's; with --train-samples)");
   app->add_flag("--decrease-batch-size-if-needed", o.decrease_batch_size_if_needed,
                 "Where --micro-batch-size x data-parallel size does not divide --global-batch-size, train each "
                 "iteration on its largest multiple within it and count the rest as skipped samples (Megatron's; "

@@ -237,10 +237,6 @@ constexpr Group kGroups[] = {
      "--object-storage-cache-path="},
     {true, "this validation mode is not implemented: --eval-iters batches of the validation split are evaluated",
      "--full-validation --multiple-validation-sets --skip-train"},
-    {true, "multi-phase training is not implemented: Megatron saves and exits at each listed iteration, and each phase "
-           "reads its own training split from that split's first sample (--train-samples runs only); a ptk resume "
-           "reads on from the samples consumed",
-     "--phase-transition-iterations="},
     {true, "Megatron's fault-tolerance machinery is not implemented; --exit-signal-handler saves on SIGTERM and a relaunch with --load resumes",
      "--adlr-autoresume --adlr-autoresume-interval= --calc-ft-timeouts --enable-ft-package "
      "--error-injection-rate= --error-injection-type= --ft-num-warmup-iters= "

@@ -148,6 +148,11 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--decrease-batch-size-if-needed", o.decrease_batch_size_if_needed ? "on" : "off"},
+      {"--phase-transition-iterations", Joined([&] {
+         std::vector<std::string> r;
+         for (int64_t x : o.phase_transition_iterations) r.push_back(std::to_string(x));
+         return r;
+       }())},
       {"--rampup-batch-size", Joined([&] {
          std::vector<std::string> r;
          for (int64_t x : o.rampup_batch_size) r.push_back(std::to_string(x));

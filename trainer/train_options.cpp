@@ -171,6 +171,10 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
         gbs, mbs, dp));
   if (p.decrease_batch_size && !o.rampup_batch_size.empty())
     return usage("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented");
+  if (!o.phase_transition_iterations.empty() && (o.train_samples <= 0 || !o.rampup_batch_size.empty()))
+    return usage(
+        "--phase-transition-iterations: multi-phase training needs --train-samples (Megatron's phases end at it; with "
+        "--train-iters its code fails) and no --rampup-batch-size (Megatron asserts so)");
   if ((o.train_iters > 0) == (o.train_samples > 0))
     return usage("give exactly one of --train-iters and --train-samples");
   PTK_RETURN_IF_ERROR(CheckScheduleUnits(o));

@@ -79,6 +79,11 @@ struct TrainOptions {
   // Megatron's --decrease-batch-size-if-needed: a --global-batch-size that --micro-batch-size x data-parallel size
   // does not divide is cut, each iteration, to its largest multiple; the rest of it counts as skipped samples.
   bool decrease_batch_size_if_needed = false;
+  // Megatron's --phase-transition-iterations (sorted): multi-phase training. The run saves and exits at each of these
+  // iterations; each phase builds its training split for its own samples (from one transition to the next, in global
+  // batches; the last phase up to --train-samples) and reads it from its first sample, so a relaunch at a transition
+  // may name the next phase's data. --train-samples runs only, no --rampup-batch-size; a resume keeps the global batch.
+  std::vector<int64_t> phase_transition_iterations;
 
   OptimizerConfig optimizer;
   // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,

@@ -214,7 +214,9 @@ absl::StatusOr<std::string> Trainer::SaveAndDecideExit() {
   if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
   PTK_ASSIGN_OR_RETURN(const TimeLimit limit, CheckExitDuration(world_, started_, o_.exit_duration_in_mins));
   if (limit.reached) return fmt::format("exiting program after {} minutes", py::FloatRepr(limit.minutes));
-  if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
+  const std::vector<int64_t>& phases = o_.phase_transition_iterations;  // Megatron's end of a phase: save and exit
+  if ((o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0) ||
+      std::find(phases.begin(), phases.end(), state_.iteration) != phases.end())
     return fmt::format("exiting program at iteration {}", state_.iteration);
   return std::string();
 }

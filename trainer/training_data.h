@@ -31,6 +31,15 @@ struct TrainingSplits {
 absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
                                                      Communicator* pipeline = nullptr);
 
+// --phase-transition-iterations: the phase iteration `iteration` starts (Megatron's get_train_valid_test_num_samples
+// and build_train_valid_test_data_loaders): its training split's samples (from its first transition's to the next's
+// in global batches, the last up to --train-samples), the samples the phase has consumed (its iterations done), and
+// the iteration it ends at (the next transition, or the run's end).
+struct TrainPhase {
+  int64_t split_samples = 0, consumed = 0, end_iteration = 0;
+};
+TrainPhase PhaseAt(const TrainOptions& o, const TrainPlan& plan, int64_t iteration);
+
 // A run resumed from `state` (the checkpoint's iteration and samples consumed) reads on from there:
 // its iterations' training samples up to where it stops (--train-iters, or an earlier
 // --exit-interval), and the validation samples of every --eval-interval and of the evaluation at the

@@ -4,7 +4,7 @@
 // log, evaluation, save or exit check): the skipped global batches never reach a step, a skip leaves the model, the
 // moments and the scheduler as they were, a resume from a checkpoint before a skip gives the uninterrupted run's
 // bits (one and two data ranks, gradient accumulation), two pipeline stages skip as one, a ramp's skip, the flag's odd
-// values; and --decrease-batch-size-if-needed, whose cut-off samples count as skipped too.
+// values; --decrease-batch-size-if-needed, whose cut-off samples count as skipped too; --phase-transition-iterations.
 #include <regex>
 #include <string>
 #include <utility>
@@ -237,6 +237,44 @@ TEST_F(IterationsToSkipCli, DecreaseBatchSizeIfNeededTrainsTheLargestMultiple) {
   EXPECT_NE(ramp.output.find("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented"),
             std::string::npos)
       << ramp.output;
+}
+
+// Megatron's --phase-transition-iterations: the run saves and exits at each transition, and each phase reads a
+// training split built for its own samples from that split's first sample. At --lr 0 each loss is its batch's: the
+// first phase's are a 3-iteration run's (18 samples), the second phase's, resumed, a fresh 5-iteration run's (30).
+TEST_F(IterationsToSkipCli, PhaseTransitionsReadEachPhaseFromItsStart) {
+  const std::string still = "--lr 0 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style constant ";
+  const std::string phases = still + "--train-samples 48 --phase-transition-iterations 3 --save " +
+                             ShellQuote(dir_ / "ph") + " --load " + ShellQuote(dir_ / "ph");
+  auto first = RunCmd(Train(phases, 0));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("exiting program at iteration 3"), std::string::npos) << first.output;
+  auto second = RunCmd(Train(phases, 0));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("this phase trains to iteration 8 on a training split of 30 samples, 0 of them "
+                               "consumed"),
+            std::string::npos)
+      << second.output;
+  auto eighteen = RunCmd(Train(still + "--train-samples 18", 0));
+  auto thirty = RunCmd(Train(still + "--train-samples 30", 0));
+  ASSERT_EQ(eighteen.exit_code, 0) << eighteen.output;
+  ASSERT_EQ(thirty.exit_code, 0) << thirty.output;
+  EXPECT_EQ(Losses(first.output), Losses(eighteen.output));
+  auto shifted = Losses(thirty.output);
+  for (auto& [it, loss] : shifted) it += 3;
+  EXPECT_EQ(Losses(second.output), shifted);
+  EXPECT_EQ(Load(dir_ / "ph", 8).state.consumed_train_samples, 48);
+  // Refused: iteration-based training (Megatron's code fails there), another global batch on resume, a bad list.
+  auto iters = RunCmd(Train("--phase-transition-iterations 3", 4));
+  EXPECT_EQ(iters.exit_code, 2) << iters.output;
+  EXPECT_NE(iters.output.find("multi-phase training needs --train-samples"), std::string::npos) << iters.output;
+  auto other = RunCmd(Train(phases + " --global-batch-size 4", 0));
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("was saved with --global-batch-size 6, this run has 4"), std::string::npos)
+      << other.output;
+  auto bad = RunCmd(Train("--train-samples 48 --phase-transition-iterations 3,,5", 0));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("'' is not an integer"), std::string::npos) << bad.output;
 }
 
 TEST_F(IterationsToSkipCli, OddValuesAreTakenAsMegatronTakesThem) {
