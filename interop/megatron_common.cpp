@@ -369,6 +369,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   state.iteration = s->iteration;
   state.consumed_train_samples = static_cast<int64_t>(NumAttr(args, "consumed_train_samples").value_or(0));
   state.consumed_valid_samples = static_cast<int64_t>(NumAttr(args, "consumed_valid_samples").value_or(0));
+  state.skipped_train_samples = static_cast<int64_t>(NumAttr(args, "skipped_train_samples").value_or(0));
   state.adam_step = adam_step;
   state.seed = static_cast<uint64_t>(NumAttr(args, "seed").value_or(1234));
   const PyValue* sched = s->release ? nullptr : root.Get("opt_param_scheduler");

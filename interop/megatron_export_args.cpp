@@ -141,7 +141,7 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_i("global_batch_size", static_cast<int64_t>(SettingNum(state, "--global-batch-size", 1)));
   set_i("consumed_train_samples", state.consumed_train_samples);
   set_i("consumed_valid_samples", state.consumed_valid_samples);
-  set_i("skipped_train_samples", 0);
+  set_i("skipped_train_samples", state.skipped_train_samples);
   set_i("seed", static_cast<int64_t>(state.seed));
   set_s("optimizer", "adam");
   set_f("lr", h.lr);

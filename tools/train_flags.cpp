@@ -4,6 +4,7 @@
 
 #include "common/cli.h"
 #include "tools/train_flag_parts.h"
+#include "trainer/model_limits.h"
 
 namespace ptk {
 namespace {
@@ -54,6 +55,11 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
       ->check(Probability());
   app->add_option("--init-method-std", m.init_method_std, "Standard deviation of the normal init")->check(Positive());
+  app->add_option("--embedding-init-method-std", m.embedding_init_method_std,
+                  "Standard deviation of the word and position embeddings' normal init (default --init-method-std's; "
+                  "under --init-method-xavier-uniform, another value draws them from this normal)")
+      ->check(RealIn(0, true, kGptConfigMaxInitMethodStd, false))
+      ->default_str("");
   app->add_flag("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights,
                 "Separate output layer instead of the word embeddings");
   app->add_flag("--recompute-activations", m.recompute_activations,
@@ -229,6 +235,9 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
   app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
+  app->add_flag("--no-initialization", o.no_initialization,
+                "Skip the weights' random init: every weight comes from the checkpoint --load (or "
+                "--pretrained-checkpoint) loads; refused where there is none");
   app->add_option("--pretrained-checkpoint", o.pretrained_checkpoint,
                   "Where --load holds no checkpoint: fine-tune from this directory's (as --finetune); a restart "
                   "resumes from --load's own");
@@ -373,6 +382,20 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
       ->expected(3)
       ->check(IntIn(1, kMaxCount))
       ->default_str("");
+  app->add_option("--iterations-to-skip", o.iterations_to_skip,
+                  "Iterations whose global batch is read and dropped (no step; after a loss spike from bad data): N "
+                  "is the step that starts with N iterations done, the one whose log line would say N + 1; the "
+                  "counter and consumed samples advance, the learning-rate schedule does not (Megatron's)")
+      ->check(IntIn(-kMaxCount, kMaxCount))
+      ->default_str("");
+  app->add_option("--phase-transition-iterations", f->phase_transition_iterations,
+                  "Comma-separated iterations where training phases end: save and exit there; each phase reads its "
+                  "own training split (from one transition to the next, in global batches) from its first sample, "
+                  "so the relaunch may give the next phase's data (Megatron's; with --train-samples)");
+  app->add_flag("--decrease-batch-size-if-needed", o.decrease_batch_size_if_needed,
+                "Where --micro-batch-size x data-parallel size does not divide --global-batch-size, train each "
+                "iteration on its largest multiple within it and count the rest as skipped samples (Megatron's; "
+                "not with --rampup-batch-size)");
   app->add_flag_callback(
          "--use-checkpoint-args",
          [app, f] {

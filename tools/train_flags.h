@@ -70,7 +70,8 @@ struct TrainFlags {
   std::optional<CheckpointVocab> checkpoint_vocab;
   // --data-args-path / --per-split-data-args-path: the data paths from a file, as Megatron reads it.
   std::string data_args_path, per_split_data_args_path;
-  bool profile = false;  // --profile: ptk's per-op CUDA timing
+  std::string phase_transition_iterations;  // Megatron's comma-separated list, as given (ResolveDataFlags parses it)
+  bool profile = false;                     // --profile: ptk's per-op CUDA timing
   // --dry-run: plan the run (any tensor and pipeline size) and exit; trainer/dry_run.h.
   bool dry_run = false;
   int64_t gpus_per_node = 0;

@@ -293,10 +293,11 @@ void PrintDone(const ptk::TrainSummary& s) {
                    s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "");
     return;
   }
-  ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
-                 s.consumed_train_samples, s.last_lm_loss,
-                 s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
-                 s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
+  ptk::log::Info(
+      "done: iteration {}, {} samples consumed{}, last lm loss {:.6f}{}{}", s.iteration, s.consumed_train_samples,
+      s.skipped_train_samples > 0 ? fmt::format(" ({} skipped)", s.skipped_train_samples) : "", s.last_lm_loss,
+      s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
+      s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
 }
 
 // PTK_TRAIN_INCOMPLETE_EXIT=N (1..255): the exit code, on every rank, of a run that stopped before its

@@ -99,6 +99,10 @@ constexpr Group kGroups[] = {
      "--exit-signal-handler-for-dataloader --no-data-sharding"},
     {false, "dropout masks are ptk's own function of --seed and the sample's position, not drawn by Megatron's RNG trackers",
      "--te-rng-tracker"},
+    {false, "the weights are the same as without it: Megatron draws each data rank's init from its own seed, then "
+            "broadcasts data rank 0's weights to the others; its dropout streams then differ between data ranks, "
+            "as ptk's masks always do (keyed by the sample, not the rank)",
+     "--data-parallel-random-init"},
     {false, "the rank comes from the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE)",
      "--local-rank="},
     {false, "no garbage collector",
@@ -203,8 +207,6 @@ constexpr Group kGroups[] = {
      "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
      "--hierarchical-context-parallel-sizes=+ --hybrid-context-parallel --max-seqlen-per-dp-cp-rank= "
      "--num-distributed-optimizer-instances= --pipeline-model-parallel-layout="},
-    {true, "this initialization is not implemented; ptk initializes as Megatron's defaults (--init-method-std)",
-     "--data-parallel-random-init --embedding-init-method-std= --no-initialization"},
     {true, "per-parameter-group learning rates and weight decay are not implemented (Megatron's default groups: no weight decay for biases and norms)",
      "--apply-wd-to-qk-layernorm --decoupled-lr= --decoupled-min-lr= --dump-param-to-param-group-map= "
      "--head-lr-mult= --no-weight-decay-cond-type="},
@@ -233,8 +235,6 @@ constexpr Group kGroups[] = {
      "--fim-suffix-token="},
     {true, "object storage (S3, MSC) is not read; give local files",
      "--object-storage-cache-path="},
-    {true, "this change to the training schedule is not implemented",
-     "--decrease-batch-size-if-needed --iterations-to-skip=+ --phase-transition-iterations="},
     {true, "Megatron's fault-tolerance machinery is not implemented; --exit-signal-handler saves on SIGTERM and a relaunch with --load resumes",
      "--adlr-autoresume --adlr-autoresume-interval= --calc-ft-timeouts --enable-ft-package "
      "--error-injection-rate= --error-injection-type= --ft-num-warmup-iters= "

@@ -1,6 +1,7 @@
 // ptk-train's flags into TrainOptions, after parsing: what ptk cannot do refused (one line naming
 // the flag), notes for flags accepted without effect, and the settings that depend on other flags.
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "common/cli.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/numbers.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
@@ -274,8 +276,32 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
 }
 
 // The data paths from --data-args-path / --per-split-data-args-path, and the cache path.
+// Megatron's parse of --phase-transition-iterations: int() of each comma-separated part, sorted.
+absl::Status ParsePhaseTransitions(const std::string& given, std::vector<int64_t>* out) {
+  out->clear();
+  if (given.empty()) return absl::OkStatus();  // Megatron's `if args.phase_transition_iterations:`
+  size_t start = 0;
+  while (start <= given.size()) {
+    const size_t comma = std::min(given.find(',', start), given.size());
+    std::string_view part = std::string_view(given).substr(start, comma - start);
+    while (!part.empty() && std::isspace(static_cast<unsigned char>(part.front()))) part.remove_prefix(1);
+    while (!part.empty() && std::isspace(static_cast<unsigned char>(part.back()))) part.remove_suffix(1);
+    std::optional<int64_t> v = ParseInt64(part);
+    if (!v || *v > train_flags::kMaxCount || *v < -train_flags::kMaxCount)
+      return Refuse(
+          fmt::format("--phase-transition-iterations {}: '{}' is not an integer (a comma-separated list of "
+                      "iterations)",
+                      given, part));
+    out->push_back(*v);
+    start = comma + 1;
+  }
+  std::sort(out->begin(), out->end());
+  return absl::OkStatus();
+}
+
 absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
   TrainOptions& o = *out;
+  PTK_RETURN_IF_ERROR(ParsePhaseTransitions(f.phase_transition_iterations, &o.phase_transition_iterations));
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   if (!f.data_args_path.empty()) {
     if (!o.data.data_path.empty()) return Refuse("--data-args-path and --data-path: give one");
@@ -348,6 +374,12 @@ void NoteFlagsWithoutTheirTarget(const TrainFlags& f, const TrainOptions& o, std
     if (given) load += (load.empty() ? "" : ", ") + std::string(name);
   if (!load.empty() && o.load.empty() && o.pretrained_checkpoint.empty())
     notes->push_back(load + " without --load: nothing is loaded; the run starts from random initialization");
+  for (int64_t it : o.iterations_to_skip)
+    if (it < 0)
+      notes->push_back(fmt::format(
+          "--iterations-to-skip {}: accepted, skips nothing: the count of iterations done is never negative (as "
+          "Megatron)",
+          it));
 }
 
 // --skip-train: Megatron's --no-load-optim (no optimizer is made), and no checkpoint written (no iteration runs).
@@ -371,6 +403,10 @@ void SkipTrainSettings(TrainOptions* o, std::vector<std::string>* notes) {
 
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
+  if (out->no_initialization && out->load.empty() && out->pretrained_checkpoint.empty())
+    return Refuse(
+        "--no-initialization without --load (or --pretrained-checkpoint): no weights to start from (Megatron would "
+        "train from uninitialised memory)");
   TrainOptions& o = *out;
   if (o.skip_train) SkipTrainSettings(&o, notes);
   if (o.save_interval > 0 && o.save.empty())

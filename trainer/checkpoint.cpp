@@ -302,7 +302,8 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
         .Field("consumed_valid_samples", state.consumed_valid_samples)
         .Field("opt_param_scheduler_num_steps", state.scheduler_num_steps)
         .Field("adam_step", state.adam_step)
-        .Field("skipped_iterations", state.skipped_iterations);
+        .Field("skipped_iterations", state.skipped_iterations)
+        .Field("skipped_train_samples", state.skipped_train_samples);
     if (state.loss_scale)
       w.Field("loss_scale", state.loss_scale->scale)
           .Field("loss_scale_growth_tracker", state.loss_scale->growth_tracker)

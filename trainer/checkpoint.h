@@ -34,6 +34,8 @@ struct TrainState {
   int64_t scheduler_num_steps = 0;  // samples
   int64_t adam_step = 0;
   int64_t skipped_iterations = 0;
+  // --iterations-to-skip's and --decrease-batch-size-if-needed's (Megatron's args.skipped_train_samples).
+  int64_t skipped_train_samples = 0;
   std::optional<LossScaleState> loss_scale;  // --fp16's dynamic scaler; none otherwise
   // The scheduler's settings (Megatron's OptimizerParamScheduler.state_dict), compared with the
   // command line's on resume. None in checkpoints written before they were recorded.

@@ -97,6 +97,9 @@ absl::Status ReadHeaderState(simdjson::dom::element h, const std::function<absl:
   PTK_RETURN_IF_ERROR(get("opt_param_scheduler_num_steps", &state->scheduler_num_steps));
   PTK_RETURN_IF_ERROR(get("adam_step", &state->adam_step));
   PTK_RETURN_IF_ERROR(get("skipped_iterations", &state->skipped_iterations));
+  // --iterations-to-skip's samples: none in a checkpoint of an earlier ptk.
+  if (h["skipped_train_samples"].get(state->skipped_train_samples)) state->skipped_train_samples = 0;
+  if (state->skipped_train_samples < 0) return corrupt("skipped_train_samples is negative");
   // fp16's dynamic loss scaler, when the saving run had one.
   state->loss_scale.reset();
   double scale = 0;

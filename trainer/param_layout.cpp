@@ -63,6 +63,9 @@ absl::Status GPTConfig::Validate() const {
         fmt::format("layernorm_epsilon {}: must be in (0, {}]", layernorm_epsilon, kGptConfigMaxLayerNormEpsilon));
   if (!(init_method_std > 0 && init_method_std <= kGptConfigMaxInitMethodStd))
     return bad(fmt::format("init_method_std {}: must be in (0, {}]", init_method_std, kGptConfigMaxInitMethodStd));
+  if (!(embedding_init_method_std >= 0 && embedding_init_method_std <= kGptConfigMaxInitMethodStd))
+    return bad(fmt::format("embedding_init_method_std {}: must be in (0, {}] (0: init_method_std's)",
+                           embedding_init_method_std, kGptConfigMaxInitMethodStd));
   return absl::OkStatus();
 }
 
@@ -233,9 +236,19 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   };
   // A tensor the configuration may leave out: -1 then.
   auto add_if = [&](bool present, auto&&... args) -> int64_t { return present ? add(args...) : -1; };
-  m.wte = add("embedding.word_embeddings.weight", {vt, c}, std, 0.0f, 0);
-  m.wpe = add_if(config.position_embedding == PositionEmbedding::kLearnedAbsolute,
-                 "embedding.position_embeddings.weight", std::vector<int64_t>{config.max_position_embeddings, c}, std);
+  // The embeddings' init (megatron-core's embedding_init_method): its own normal where the std is given (and, under
+  // xavier_uniform, differs from init_method_std), else the other weights'.
+  const double emb = config.embedding_init_method_std;
+  const bool emb_normal = emb > 0 && (!config.init_method_xavier_uniform || emb != std);
+  auto embedding = [&](int64_t at) {
+    if (at >= 0 && emb_normal) m.infos.back().init_uniform = 0;
+    return at;
+  };
+  const double emb_std = emb > 0 ? emb : std;
+  m.wte = embedding(add("embedding.word_embeddings.weight", {vt, c}, emb_std, 0.0f, 0));
+  m.wpe = embedding(add_if(config.position_embedding == PositionEmbedding::kLearnedAbsolute,
+                           "embedding.position_embeddings.weight",
+                           std::vector<int64_t>{config.max_position_embeddings, c}, emb_std));
   for (int64_t l = 0; l < config.num_layers; ++l) {
     std::string p = fmt::format("decoder.layers.{}.", l);
     LayerParams lp;

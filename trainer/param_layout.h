@@ -68,6 +68,11 @@ struct GPTConfig {
   // Megatron's --init-method-xavier-uniform: every weight matrix (embeddings, QKV, proj, fc1, fc2, the
   // output layer) drawn from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the whole tensor.
   bool init_method_xavier_uniform = false;
+  // Megatron's --embedding-init-method-std (TransformerConfig.embedding_init_method_std): the word and position
+  // embeddings' N(0, std), 0 for Megatron's None (init_method_std's, or xavier_uniform's under that flag). Under
+  // xavier_uniform a value other than init_method_std draws the embeddings from this normal, as megatron-core's
+  // __post_init__ does; the same value keeps them uniform. The output layer's init is init_method_std's either way.
+  double embedding_init_method_std = 0;
 
   absl::Status Validate() const;
   // What each norm's weight adds to its input's normalised value: 1 under apply_layernorm_1p.

@@ -118,6 +118,7 @@ Settings ModelSettings(const GPTConfig& m, int64_t make_vocab_size_divisible_by)
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},
       {"--init-method-xavier-uniform", m.init_method_xavier_uniform ? "on" : "off"},
+      {"--embedding-init-method-std", m.embedding_init_method_std > 0 ? num(m.embedding_init_method_std) : ""},
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
   };
 }
@@ -146,6 +147,12 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
            : ""},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
+      {"--decrease-batch-size-if-needed", o.decrease_batch_size_if_needed ? "on" : "off"},
+      {"--phase-transition-iterations", Joined([&] {
+         std::vector<std::string> r;
+         for (int64_t x : o.phase_transition_iterations) r.push_back(std::to_string(x));
+         return r;
+       }())},
       {"--rampup-batch-size", Joined([&] {
          std::vector<std::string> r;
          for (int64_t x : o.rampup_batch_size) r.push_back(std::to_string(x));
@@ -209,6 +216,16 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--save-interval", std::to_string(o.save_interval)},
       {"--exit-interval", std::to_string(o.exit_interval)},
       {"--exit-duration-in-mins", num(o.exit_duration_in_mins)},
+      // A rank that skips an iteration the others train would leave their collectives waiting. As a set: Megatron
+      // asks only whether the counter is in the list.
+      {"--iterations-to-skip", Joined([&] {
+         std::vector<int64_t> skip = o.iterations_to_skip;
+         std::sort(skip.begin(), skip.end());
+         skip.erase(std::unique(skip.begin(), skip.end()), skip.end());
+         std::vector<std::string> r;
+         for (int64_t x : skip) r.push_back(std::to_string(x));
+         return r;
+       }())},
       {"--no-load-optim", o.no_load_optim ? "on" : "off"},
       {"--no-load-rng", o.no_load_rng ? "on" : "off"},
       {"--finetune", o.finetune ? "on" : "off"},

@@ -159,12 +159,24 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   const int64_t mbs = o.micro_batch_size;
   p.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size : mbs * dp;
   const int64_t gbs = p.global_batch_size;
-  if (gbs % (mbs * dp) != 0)
+  p.decrease_batch_size = o.decrease_batch_size_if_needed;
+  if (gbs % (mbs * dp) != 0 && !p.decrease_batch_size)
     return usage(
         fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
-                    "size ({})",
+                    "size ({}) (or give --decrease-batch-size-if-needed)",
                     gbs, mbs, dp));
   p.micro_batches = gbs / (mbs * dp);
+  if (p.micro_batches < 1)
+    return usage(fmt::format(
+        "--decrease-batch-size-if-needed: --global-batch-size ({}) is smaller than --micro-batch-size ({}) x "
+        "data-parallel size ({}): no micro-batch is left",
+        gbs, mbs, dp));
+  if (p.decrease_batch_size && !o.rampup_batch_size.empty())
+    return usage("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented");
+  if (!o.phase_transition_iterations.empty() && (o.train_samples <= 0 || !o.rampup_batch_size.empty()))
+    return usage(
+        "--phase-transition-iterations: multi-phase training needs --train-samples (Megatron's phases end at it; with "
+        "--train-iters its code fails) and no --rampup-batch-size (Megatron asserts so)");
   if ((o.train_iters > 0) == (o.train_samples > 0))
     return usage("give exactly one of --train-iters and --train-samples");
   PTK_RETURN_IF_ERROR(CheckScheduleUnits(o));

@@ -71,6 +71,19 @@ struct TrainOptions {
   // the global batch grows from START by INCR up to --global-batch-size over SAMPLES samples.
   // Empty: the batch is --global-batch-size throughout.
   std::vector<int64_t> rampup_batch_size;
+  // Megatron's --iterations-to-skip: where the iteration counter (the iterations done so far, one less than the
+  // number the step's log line would show) is one of these, the step's global batch is read and dropped: the counter
+  // and the consumed (and skipped) samples advance, nothing else runs (no step, no scheduler step, no log line,
+  // evaluation, sample, save or exit check). Any order, repeats and numbers never reached are harmless.
+  std::vector<int64_t> iterations_to_skip;
+  // Megatron's --decrease-batch-size-if-needed: a --global-batch-size that --micro-batch-size x data-parallel size
+  // does not divide is cut, each iteration, to its largest multiple; the rest of it counts as skipped samples.
+  bool decrease_batch_size_if_needed = false;
+  // Megatron's --phase-transition-iterations (sorted): multi-phase training. The run saves and exits at each of these
+  // iterations; each phase builds its training split for its own samples (from one transition to the next, in global
+  // batches; the last phase up to --train-samples) and reads it from its first sample, so a relaunch at a transition
+  // may name the next phase's data. --train-samples runs only, no --rampup-batch-size; a resume keeps the global batch.
+  std::vector<int64_t> phase_transition_iterations;
 
   OptimizerConfig optimizer;
   // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,
@@ -122,6 +135,9 @@ struct TrainOptions {
   // counts against a job's time limit too. Unset (the epoch): from RunTraining's call.
   std::chrono::steady_clock::time_point started{};
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  // Megatron's --no-initialization (perform_initialization off): the weights are not drawn, only loaded; ptk refuses
+  // the run where no checkpoint is there to load (Megatron would train from uninitialised memory).
+  bool no_initialization = false;
   // Megatron's --exit-on-missing-checkpoint: a --load without a checkpoint stops the run (exit 1) instead of
   // starting from random initialization (Megatron's sys.exit() exits 0 there).
   bool exit_on_missing_checkpoint = false;
@@ -184,7 +200,7 @@ struct TrainPlan {
   int data_parallel_size = 1;
   int64_t micro_batch_size = 1;
   int64_t micro_batches = 1;      // per rank and iteration (gradient accumulation)
-  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size
+  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size (but see decrease_batch_size)
   int64_t train_iters = 0;        // --train-iters, or the iterations --train-samples makes (update_train_iters)
   int64_t train_samples = 0;      // what the iterations consume (each its global batch)
   // The training split's num_samples, as Megatron's get_train_valid_test_num_samples builds it:
@@ -199,8 +215,15 @@ struct TrainPlan {
   // Megatron's running global batch size after `consumed` training samples: the start size plus
   // one increment per (rampup samples / increments) samples consumed, then global_batch_size.
   int64_t GlobalBatchSizeAt(int64_t consumed) const;
+  // --decrease-batch-size-if-needed (Megatron's running global batch size): what an iteration trains on, the
+  // largest multiple of micro_batch_size x data_parallel_size within GlobalBatchSizeAt; that size without it.
+  bool decrease_batch_size = false;
+  int64_t RunningGlobalBatchSizeAt(int64_t consumed) const {
+    const int64_t unit = micro_batch_size * data_parallel_size;
+    return decrease_batch_size ? GlobalBatchSizeAt(consumed) / unit * unit : GlobalBatchSizeAt(consumed);
+  }
   int64_t MicroBatchesAt(int64_t consumed) const {
-    return GlobalBatchSizeAt(consumed) / (micro_batch_size * data_parallel_size);
+    return RunningGlobalBatchSizeAt(consumed) / (micro_batch_size * data_parallel_size);
   }
 };
 

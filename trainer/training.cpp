@@ -2,6 +2,7 @@
 // exits (the start-up: training_setup.cpp; the reports: training_report.cpp).
 #include "trainer/training.h"
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -73,13 +74,20 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   if (o_.skip_train) return SkipTraining();
   Print("training ...");
   if (state_.iteration >= plan_.train_iters) return NothingToTrain();
-  const int64_t first = state_.iteration + 1;
+  // The first iteration that trains (--iterations-to-skip's are read and dropped, without a line).
+  int64_t first = state_.iteration + 1;
+  const std::vector<int64_t>& skip = o_.iterations_to_skip;
+  while (first < plan_.train_iters && std::find(skip.begin(), skip.end(), first - 1) != skip.end()) ++first;
   // On several ranks the log line is the last rank's (print_rank_last): rank 0's output never holds it.
   if (lead_)
     log::Info("start-up: iteration {} running (its log line comes after it{}) ...", first,
               world_->size() > 1 ? fmt::format(", from the last rank, {}", world_->size() - 1) : "");
   while (state_.iteration < plan_.train_iters) {
     PTK_RETURN_IF_ERROR(UpdateBatchSize());
+    if (SkipsNextIteration()) {  // as Megatron's: no log line, evaluation, sample, save or exit check
+      PTK_RETURN_IF_ERROR(SkipIteration());
+      continue;
+    }
     t0 = Clock::now();
     PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
     if (lead_ && state_.iteration == first) log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
@@ -109,8 +117,11 @@ absl::StatusOr<TrainSummary> Trainer::NothingToTrain() {
 }
 
 absl::Status Trainer::UpdateBatchSize() {
-  const int64_t gbs = plan_.GlobalBatchSizeAt(state_.consumed_train_samples);
+  const int64_t gbs = plan_.RunningGlobalBatchSizeAt(state_.consumed_train_samples);
   if (gbs == current_gbs_) return absl::OkStatus();
+  if (lead_ && plan_.decrease_batch_size)  // Megatron's calculator's line (its missing space too)
+    log::Info("decreasing batch size from {} to {}to keep divisiblity by micro_batch_size={} * data_parallel_size={}",
+              plan_.global_batch_size, gbs, plan_.micro_batch_size, plan_.data_parallel_size);
   if (lead_ && plan_.rampup_start > 0)
     log::Info("{}", current_gbs_ == 0 ? fmt::format("setting initial batch size to {}", gbs)
                                       : fmt::format("ramping up batch size from {} to {}", current_gbs_, gbs));
@@ -120,6 +131,22 @@ absl::Status Trainer::UpdateBatchSize() {
   held_.resize(num_micro);
   keys_.resize(num_micro);
   batches_.resize(num_micro);
+  return absl::OkStatus();
+}
+
+bool Trainer::SkipsNextIteration() const {
+  const std::vector<int64_t>& skip = o_.iterations_to_skip;
+  return std::find(skip.begin(), skip.end(), state_.iteration) != skip.end();
+}
+
+absl::Status Trainer::SkipIteration() {
+  for (size_t m = 0; m < held_.size(); ++m) {
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<MicroBatch> dropped, train_loader_->Next());
+    if (!dropped) return absl::OutOfRangeError("the training data ran out before --train-iters");
+  }
+  ++state_.iteration;
+  state_.consumed_train_samples += current_gbs_;
+  state_.skipped_train_samples += current_gbs_;
   return absl::OkStatus();
 }
 
@@ -138,6 +165,9 @@ absl::StatusOr<StepResult> Trainer::TrainIteration() {
   if (o_.check_for_nan_in_loss_and_grad && !r.overflow)
     PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state_.iteration + 1, rank_));
   ++state_.iteration;
+  // --decrease-batch-size-if-needed: the part of the global batch the iteration did not train on (Megatron's
+  // current minus running global batch size).
+  state_.skipped_train_samples += plan_.GlobalBatchSizeAt(state_.consumed_train_samples) - current_gbs_;
   state_.consumed_train_samples += current_gbs_;
   interval_.Add(r);
   if (r.skipped) ++state_.skipped_iterations;
@@ -183,7 +213,9 @@ absl::StatusOr<std::string> Trainer::SaveAndDecideExit() {
   if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
   PTK_ASSIGN_OR_RETURN(const TimeLimit limit, CheckExitDuration(world_, started_, o_.exit_duration_in_mins));
   if (limit.reached) return fmt::format("exiting program after {} minutes", py::FloatRepr(limit.minutes));
-  if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
+  const std::vector<int64_t>& phases = o_.phase_transition_iterations;  // Megatron's end of a phase: save and exit
+  if ((o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0) ||
+      std::find(phases.begin(), phases.end(), state_.iteration) != phases.end())
     return fmt::format("exiting program at iteration {}", state_.iteration);
   return std::string();
 }
@@ -230,6 +262,7 @@ absl::StatusOr<TrainSummary> Trainer::Close() {
   summary_.iteration = state_.iteration;
   summary_.consumed_train_samples = state_.consumed_train_samples;
   summary_.skipped_iterations = state_.skipped_iterations;
+  summary_.skipped_train_samples = state_.skipped_train_samples;
   PTK_RETURN_IF_ERROR(outputs_.metrics.Close());
   if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Close());
   return summary_;

@@ -23,6 +23,8 @@ struct TrainSummary {
   double last_lm_loss = 0;
   std::optional<double> last_validation_loss, test_loss;  // the validation loss: the first set's
   int64_t skipped_iterations = 0;
+  // --iterations-to-skip's and --decrease-batch-size-if-needed's, with the resumed runs'.
+  int64_t skipped_train_samples = 0;
   std::string exit_reason;        // "" when train_iters was reached
   bool nothing_to_train = false;  // --load was at --train-iters already: no iteration ran (the evaluations did)
   bool resumed = false;
@@ -43,6 +45,7 @@ absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, in
 // The log line Megatron's training_log prints.
 struct LogLineFields {
   int64_t iteration = 0, train_iters = 0, consumed_samples = 0, global_batch_size = 0;
+  int64_t skipped_samples = 0;  // skipped so far (TrainState's): the field shows only above 0, as Megatron's
   double elapsed_ms = 0, learning_rate = 0, lm_loss = 0, loss_scale = 1.0;
   int64_t skipped = 0, nan = 0;
   std::optional<double> tflops_per_gpu;  // --log-throughput

@@ -217,6 +217,22 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
            : "Give the saved run's --eval-interval (or a larger --eval-iters), or --eval-iters 0"));
 }
 
+TrainPhase PhaseAt(const TrainOptions& o, const TrainPlan& plan, int64_t iteration) {
+  const int64_t gbs = plan.global_batch_size, current = iteration * gbs;
+  int64_t last_sample = 0, next_sample = o.train_samples, last_iteration = 0, end = plan.train_iters;
+  for (int64_t t : o.phase_transition_iterations) {
+    if (t * gbs <= current) last_sample = std::max(last_sample, t * gbs);
+    if (t * gbs > current) next_sample = std::min(next_sample, t * gbs);
+    if (t <= iteration) last_iteration = std::max(last_iteration, t);
+    if (t > iteration) end = std::min(end, t);
+  }
+  TrainPhase p;
+  p.split_samples = std::max<int64_t>(0, next_sample - last_sample);
+  p.consumed = (iteration - last_iteration) * gbs;
+  p.end_iteration = end;
+  return p;
+}
+
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
   std::string dir = load;
@@ -235,6 +251,11 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
 
 absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
   PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
+  if (o.no_initialization)
+    return UsageError(fmt::format(
+        "--no-initialization: --load {}: no weights to start from (Megatron would train from uninitialised memory); "
+        "drop --no-initialization, or give --load a checkpoint",
+        StatusMessage(why)));
   if (o.exit_on_missing_checkpoint)
     return absl::NotFoundError(
         fmt::format("--load {}; --exit-on-missing-checkpoint: stopping instead of starting from random initialization",

@@ -34,6 +34,15 @@ struct TrainingSplits {
 absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
                                                      Communicator* pipeline = nullptr);
 
+// --phase-transition-iterations: the phase iteration `iteration` starts (Megatron's get_train_valid_test_num_samples
+// and build_train_valid_test_data_loaders): its training split's samples (from its first transition's to the next's
+// in global batches, the last up to --train-samples), the samples the phase has consumed (its iterations done), and
+// the iteration it ends at (the next transition, or the run's end).
+struct TrainPhase {
+  int64_t split_samples = 0, consumed = 0, end_iteration = 0;
+};
+TrainPhase PhaseAt(const TrainOptions& o, const TrainPlan& plan, int64_t iteration);
+
 // A run resumed from `state` (the checkpoint's iteration and samples consumed) reads on from there:
 // its iterations' training samples up to where it stops (--train-iters, or an earlier
 // --exit-interval), and the validation samples of every --eval-interval and of the evaluation at the
@@ -50,7 +59,8 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
 
 // --load holds no checkpoint (`why`: NotFound, naming what is missing): a --load inside a checkpoint directory
-// refused (CheckLoadIsACheckpointDirectory), and with --exit-on-missing-checkpoint the run stopped naming --load;
+// refused (CheckLoadIsACheckpointDirectory), with --no-initialization a usage error (no weights to start from), and
+// with --exit-on-missing-checkpoint the run stopped naming --load;
 // else OK, the run starting from random initialization with a line from `lead` (a warning where --load is not
 // --save: --load = --save is how every first run starts, another --load was meant to hold a checkpoint).
 absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);

@@ -363,6 +363,7 @@ absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, in
 std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
   std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
   s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
+  if (f.skipped_samples > 0) s += fmt::format(" skipped samples: {:12d} |", f.skipped_samples);
   s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
   if (f.tflops_per_gpu) s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", *f.tflops_per_gpu);
   s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);

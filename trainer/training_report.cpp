@@ -63,6 +63,10 @@ absl::Status Trainer::Log(const StepResult& r) {
         JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
   if (outputs_.tb && state_.iteration % o_.tensorboard.log_interval == 0) {
     TensorBoardScalar("learning-rate", lr_now);
+    // Megatron's, by iteration only, once --iterations-to-skip has skipped one.
+    if (state_.skipped_train_samples > 0)
+      outputs_.tb->AddScalar("skipped-train-samples", static_cast<double>(state_.skipped_train_samples),
+                             state_.iteration);
     TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
     TensorBoardScalar("lm loss", r.lm_loss());
     if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.next_loss_scale);
@@ -76,6 +80,7 @@ absl::Status Trainer::Log(const StepResult& r) {
   f.iteration = state_.iteration;
   f.train_iters = plan_.train_iters;
   f.consumed_samples = state_.consumed_train_samples;
+  f.skipped_samples = state_.skipped_train_samples;
   f.global_batch_size = current_gbs_;
   interval_.Fill(r, FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
   f.params_norm = params_norm;

@@ -76,6 +76,11 @@ class Trainer {
   // grows, Megatron saves a checkpoint first (with --save).
   absl::Status UpdateBatchSize();
 
+  // --iterations-to-skip: whether the next iteration is one to skip, and its skip (Megatron's dummy_train_step):
+  // this rank's micro-batches of it read and dropped, the counter and the consumed and skipped samples advanced.
+  bool SkipsNextIteration() const;
+  absl::Status SkipIteration();
+
   // One iteration: this rank's micro-batches through the training step (Megatron's train_step).
   absl::StatusOr<StepResult> TrainIteration();
 

@@ -46,7 +46,8 @@ absl::Status Trainer::SetUp() {
       log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp_,
                 shard.shard_size, model_->num_params());
   }
-  PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
+  // --no-initialization: the checkpoint Resume loads writes every weight (it refuses the run where there is none).
+  if (!o_.no_initialization) PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
   // Megatron's line from each tensor rank and stage of the first data-parallel rank.
   if ((tensor_ || pipe_) && rank_ == 0)
     PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
@@ -111,6 +112,13 @@ absl::Status Trainer::Resume() {
   std::vector<float> params, m, v;
   PTK_RETURN_IF_ERROR(LoadCheckpoint(load, *latest, model_->layout(), &params, &m, &v, &loaded));
   PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, load, *latest, finetune || o_.no_load_optim));
+  if (!o_.phase_transition_iterations.empty())  // Megatron's check_checkpoint_args compares it then
+    for (const auto& [flag, value] : loaded.settings)
+      if (flag == "--global-batch-size" && value != std::to_string(plan_.global_batch_size))
+        return UsageError(fmt::format(
+            "--phase-transition-iterations: the checkpoint of iteration {} was saved with --global-batch-size {}, "
+            "this run has {}: the phases are counted in global batches, give the checkpoint's",
+            *latest, value, plan_.global_batch_size));
   PTK_RETURN_IF_ERROR(model_->WriteParams(params));
   if (finetune) {
     log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
@@ -146,7 +154,20 @@ absl::Status Trainer::Resume() {
 }
 
 absl::Status Trainer::OpenDataAndOutputs() {
-  PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_, pipe_));
+  // --phase-transition-iterations: this phase's training split, read from its first sample.
+  TrainPlan data_plan = plan_;
+  TrainState data_state = state_;
+  if (!o_.phase_transition_iterations.empty()) {
+    const TrainPhase phase = PhaseAt(o_, plan_, state_.iteration);
+    data_plan.train_split_samples = data_plan.train_samples = phase.split_samples;
+    data_state.consumed_train_samples = phase.consumed;
+    if (lead_)
+      log::Info(
+          "--phase-transition-iterations: this phase trains to iteration {} on a training split of {} samples, "
+          "{} of them consumed",
+          phase.end_iteration, phase.split_samples, phase.consumed);
+  }
+  PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, data_plan, pipe_));
   for (const std::string& w : data_.warnings)
     if (lead_) log::Warning("{}", w);
   const int64_t mbs = plan_.micro_batch_size;
@@ -161,9 +182,11 @@ absl::Status Trainer::OpenDataAndOutputs() {
   PTK_RETURN_IF_ERROR(
       OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, last_, &outputs_));
   train_loader_ = std::make_unique<DataLoader>(
-      data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, data_rank_, data_size_),
-      mbs);
-  PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
+      data_.train,
+      PretrainingSampler(data_.train->size(), data_state.consumed_train_samples, mbs, data_rank_, data_size_), mbs);
+  if (!o_.phase_transition_iterations.empty())
+    data_plan.train_iters = PhaseAt(o_, plan_, state_.iteration).end_iteration;
+  PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, data_plan, data_state, data_));
   // One validation split read on across the evaluations; --full-validation's and --multiple-validation-sets' sets
   // each get a loader from their first sample at every evaluation (EvaluateValidation).
   if (data_.valid && !o_.full_validation && !o_.multiple_validation_sets)

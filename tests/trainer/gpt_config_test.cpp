@@ -2,6 +2,7 @@
 // Megatron's arguments) name it: a library knows no flags (ptk-train maps the names to its flags).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -130,6 +131,80 @@ TEST(ParamLayout, TensorRanksHoldWholeQueryGroupsAndMatchingGateUpRows) {
   auto refused = ParamLayout::Create(c, 2, 0);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
   EXPECT_NE(refused.status().message().find("num_query_groups 1 is not divisible by tensor size 2"), std::string::npos);
+}
+
+// Megatron's --embedding-init-method-std (megatron-core's embedding_init_method): the word and position embeddings
+// drawn as --init-method-std of that value would draw them (the same counter keys), every other tensor, the untied
+// output layer too, as without it; under --init-method-xavier-uniform a value equal to --init-method-std keeps them
+// uniform, another draws them from its normal; a tensor rank's slice holds the whole model's init.
+std::vector<float> Init(const GPTConfig& c, int tensor_size = 1, int tensor_rank = 0) {
+  auto layout = ParamLayout::Create(c, tensor_size, tensor_rank);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> w(static_cast<size_t>(layout->num_params));
+  layout->InitWeights(1234, w);
+  return w;
+}
+
+// `a`'s and `b`'s elements of tensor `name` (of `c`'s whole layout) are the same bits.
+bool SameTensor(const GPTConfig& c, const std::string& name, const std::vector<float>& a, const std::vector<float>& b) {
+  const absl::StatusOr<ParamLayout> layout = ParamLayout::Create(c);
+  const ParamInfo* p = layout->Find(name);
+  EXPECT_NE(p, nullptr) << name;
+  if (p == nullptr) return false;
+  return std::equal(a.begin() + p->offset, a.begin() + p->offset + p->size, b.begin() + p->offset);
+}
+
+TEST(ParamLayout, EmbeddingInitMethodStdDrawsTheEmbeddingsOnly) {
+  GPTConfig c = Small();
+  c.untie_embeddings_and_output_weights = true;
+  GPTConfig emb = c, all = c;
+  emb.embedding_init_method_std = 0.5;
+  all.init_method_std = 0.5;
+  const std::vector<float> plain = Init(c), with = Init(emb), wide = Init(all);
+  const std::vector<std::string> embeddings = {"embedding.word_embeddings.weight",
+                                               "embedding.position_embeddings.weight"};
+  for (const std::string& name : embeddings) {
+    EXPECT_TRUE(SameTensor(c, name, with, wide)) << name;
+    EXPECT_FALSE(SameTensor(c, name, with, plain)) << name;
+  }
+  const absl::StatusOr<ParamLayout> layout = ParamLayout::Create(c);
+  for (const ParamInfo& p : layout->infos) {
+    if (std::find(embeddings.begin(), embeddings.end(), p.name) == embeddings.end()) {
+      EXPECT_TRUE(SameTensor(c, p.name, with, plain)) << p.name;
+    }
+  }
+  GPTConfig same = c;  // Megatron's default (None) is --init-method-std's value: given, the same bits
+  same.embedding_init_method_std = c.init_method_std;
+  EXPECT_EQ(Init(same), plain);
+  // Every tensor rank's slice is the whole model's init.
+  std::vector<float> back(with.size(), 0.0f);
+  for (int t = 0; t < 2; ++t) CopyFromShard(*ParamLayout::Create(emb, 2, t), Init(emb, 2, t), back);
+  EXPECT_EQ(back, with);
+}
+
+TEST(ParamLayout, EmbeddingInitMethodStdUnderXavierUniform) {
+  GPTConfig x = Small();
+  x.init_method_xavier_uniform = true;
+  const std::vector<float> uniform = Init(x);
+  GPTConfig same = x;  // the init std's value: megatron-core keeps init_method (xavier) for the embeddings
+  same.embedding_init_method_std = x.init_method_std;
+  EXPECT_EQ(Init(same), uniform);
+  GPTConfig other = x, normal = Small();  // another value: the embeddings from N(0, 0.5), the rest uniform
+  other.embedding_init_method_std = 0.5;
+  normal.embedding_init_method_std = 0.5;
+  const std::vector<float> mixed = Init(other), drawn = Init(normal);
+  EXPECT_TRUE(SameTensor(x, "embedding.word_embeddings.weight", mixed, drawn));
+  EXPECT_TRUE(SameTensor(x, "embedding.position_embeddings.weight", mixed, drawn));
+  EXPECT_TRUE(SameTensor(x, "decoder.layers.0.self_attention.linear_qkv.weight", mixed, uniform));
+  EXPECT_FALSE(SameTensor(x, "embedding.word_embeddings.weight", mixed, uniform));
+}
+
+TEST(GPTConfig, EmbeddingInitMethodStdRange) {
+  GPTConfig c = Small();
+  c.embedding_init_method_std = 2;
+  EXPECT_EQ(Refusal(c), "embedding_init_method_std 2: must be in (0, 1] (0: init_method_std's)");
+  c.embedding_init_method_std = -0.1;
+  EXPECT_EQ(Refusal(c), "embedding_init_method_std -0.1: must be in (0, 1] (0: init_method_std's)");
 }
 
 // Megatron's num_floating_point_operations, by hand: GPT-3's terms, and Llama 3 8B's (grouped-query
