@@ -401,6 +401,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddParallelFlags(app, f);
   train_flags::AddCompatFlags(app, f);
   train_flags::AddMegatronTableFlags(app, f);
+  train_flags::AddCheckpointKeepingFlags(app, f);
   AddMoreTrainFlags(app, f);
 }
 
