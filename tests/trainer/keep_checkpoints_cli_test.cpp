@@ -126,6 +126,21 @@ TEST_F(KeepCheckpointsCli, TwoShardedRanksResumeFromANonPersistentSaveBitForBit)
   ASSERT_NO_FATAL_FAILURE(StopAfterANonPersistentSaveAndResume(2, "--use-distributed-optimizer"));
 }
 
+// --use-checkpoint-args reads the checkpoint the run loads: the non-persistent one where it is newer (it read
+// --load's, whose directory a user may have removed since: refused, though the run needs none of it).
+TEST_F(KeepCheckpointsCli, UseCheckpointArgsReadsTheNonPersistentCheckpointWhereNewer) {
+  const std::string ck = dir_ / "ck";
+  const std::string keep = " --save-interval 4 --non-persistent-ckpt-type global --non-persistent-save-interval 3";
+  auto first = RunCmd(Train("--save " + ShellQuote(ck) + keep + " --exit-interval 6"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::filesystem::remove_all(CheckpointDir(ck, 4));
+  auto resumed =
+      RunCmd(Train("--save " + ShellQuote(ck) + " --load " + ShellQuote(ck) + keep + " --use-checkpoint-args"));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("Loading from a non-persistent checkpoint (non-persistent iter 6)"), std::string::npos)
+      << resumed.output;
+}
+
 // --save-interval 2 --save-retain-interval 4: after each save the previous checkpoint goes unless a multiple of 4;
 // a damaged old checkpoint and a directory ptk did not write are left alone, the resume unaffected by them.
 TEST_F(KeepCheckpointsCli, RetentionKeepsMultiplesAndTheLatestOnly) {
