@@ -1,8 +1,9 @@
 // ptk-train's non-persistent checkpoints and --save-retain-interval end to end: a run stopped right after
 // a non-persistent save (newer than --save's latest) resumes from it with the uninterrupted run's bits, on
-// one rank and on two data-parallel ranks sharding the optimizer; older non-persistent checkpoints and
-// unretained persistent ones are removed, never another's directory; a tracker naming a deleted
-// checkpoint is refused naming the way out; a second run on a non-persistent directory is refused.
+// one rank, on two data-parallel ranks sharding the optimizer and on two pipeline stages; older
+// non-persistent checkpoints and unretained persistent ones are removed, never another's directory; a
+// tracker naming a deleted checkpoint is refused naming the way out; a second run on a non-persistent
+// directory is refused.
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -55,7 +56,9 @@ class KeepCheckpointsCli : public testing::RanksTest {
   // into SAVE/non_persistent, stopped at iteration 6 right after its non-persistent save (no persistent one
   // then, as Megatron's: the disk as a kill would leave it), then resumed from there: the last two log
   // lines and the checkpoint of iteration 8 are the uninterrupted run's.
-  void StopAfterANonPersistentSaveAndResume(int world, const std::string& extra) {
+  // `ranks`: the save line's "[ t 1/1, p 1/1 ]".
+  void StopAfterANonPersistentSaveAndResume(int world, const std::string& extra,
+                                            const std::string& ranks = "[ t 1/1, p 1/1 ]") {
     const std::string full = dir_ / "full", ck = dir_ / "ck";
     const std::string keep = " --save-interval 4 --non-persistent-ckpt-type global --non-persistent-save-interval 3 ";
     auto run = [&](const std::string& flags) {
@@ -72,7 +75,7 @@ class KeepCheckpointsCli : public testing::RanksTest {
     const std::string first = run("--save " + ShellQuote(ck) + keep + "--exit-interval 6");
     EXPECT_NE(first.find("exiting program at iteration 6"), std::string::npos) << first;
     EXPECT_NE(first.find("successfully saved non-persistent checkpoint from iteration       6 to " + ck +
-                         "/non_persistent [ t 1/1, p 1/1 ]"),
+                         "/non_persistent " + ranks),
               std::string::npos)
         << first;
     EXPECT_NE(first.find("Non-persistent checkpoints to be kept: ['" + CheckpointDir(ck + "/non_persistent", 3) + "']"),
@@ -124,6 +127,11 @@ TEST_F(KeepCheckpointsCli, AStopAfterANonPersistentSaveResumesFromItBitForBit) {
 
 TEST_F(KeepCheckpointsCli, TwoShardedRanksResumeFromANonPersistentSaveBitForBit) {
   ASSERT_NO_FATAL_FAILURE(StopAfterANonPersistentSaveAndResume(2, "--use-distributed-optimizer"));
+}
+
+TEST_F(KeepCheckpointsCli, TwoPipelineStagesResumeFromANonPersistentSaveBitForBit) {
+  ASSERT_NO_FATAL_FAILURE(
+      StopAfterANonPersistentSaveAndResume(2, "--pipeline-model-parallel-size 2", "[ t 1/1, p 1/2 ]"));
 }
 
 // --use-checkpoint-args reads the checkpoint the run loads: the non-persistent one where it is newer (it read
