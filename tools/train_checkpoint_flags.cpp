@@ -16,12 +16,13 @@ namespace {
 
 // Two spellings of one directory (a trailing slash, a relative path, a link to it) compared as one.
 bool SameDirectory(const std::string& a, const std::string& b) {
-  std::error_code ec;
-  const std::filesystem::path x = std::filesystem::weakly_canonical(a, ec);
-  if (ec) return a == b;
-  const std::filesystem::path y = std::filesystem::weakly_canonical(b, ec);
-  if (ec) return a == b;
-  return x == y;
+  auto resolved = [](const std::string& p) {
+    std::error_code ec;
+    std::filesystem::path r = std::filesystem::weakly_canonical(p, ec);
+    if (ec) r = std::filesystem::path(p).lexically_normal();
+    return r.has_filename() ? r : r.parent_path();  // "s/" is "s"
+  };
+  return resolved(a) == resolved(b);
 }
 
 // --non-persistent-ckpt-type's value: global taken, the others refused saying why.

@@ -201,5 +201,37 @@ TEST_F(KeepCheckpointsCli, ASecondRunOnANonPersistentDirectoryIsRefused) {
       << same.output;
 }
 
+// What makes no sense is refused in one line naming the flag, before anything starts (exit 2).
+TEST_F(KeepCheckpointsCli, NonsenseIsRefusedInOneLine) {
+  const std::string s = ShellQuote(dir_ / "s");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--non-persistent-save-interval 0 --non-persistent-ckpt-type global --save " + s,
+       "--non-persistent-save-interval: must be an integer in [1, "},
+      {"--non-persistent-save-interval 3 --save " + s,
+       "--non-persistent-save-interval 3 needs --non-persistent-ckpt-type global"},
+      {"--non-persistent-save-interval 3 --non-persistent-ckpt-type global",
+       "--non-persistent-save-interval 3 without --save"},
+      {"--non-persistent-global-ckpt-dir " + ShellQuote(dir_ / "np") + " --save " + s,
+       "--non-persistent-global-ckpt-dir " + (dir_ / "np") + " needs --non-persistent-ckpt-type global"},
+      {"--non-persistent-ckpt-type global --non-persistent-global-ckpt-dir " + ShellQuote(dir_ / "s/") + " --load " + s,
+       "--non-persistent-global-ckpt-dir " + (dir_ / "s/") + " is --load"},
+      {"--non-persistent-ckpt-type local --save " + s, "--non-persistent-ckpt-type local: local checkpoints"},
+      {"--non-persistent-ckpt-type in_memory --save " + s, "--non-persistent-ckpt-type in_memory: not implemented"},
+      {"--non-persistent-ckpt-type disk --save " + s, "--non-persistent-ckpt-type disk: not a type"},
+      {"--non-persistent-local-ckpt-algo fast", "--non-persistent-local-ckpt-algo"},
+      {"--save-retain-interval -4 --save " + s + " --save-interval 2", "--save-retain-interval: must be an integer"},
+      {"--save-retain-interval 4 --save-interval 2", "--save-retain-interval 4 without --save"},
+      {"--save-retain-interval 4 --save " + s, "--save-retain-interval 4 needs --save-interval"},
+      {"--save-retain-interval 5 --save-interval 2 --save " + s,
+       "--save-retain-interval 5 must be a multiple of --save-interval 2"},
+  };
+  for (const auto& [flags, says] : cases) {
+    auto r = RunCmd(Train(flags));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage error: " + says), std::string::npos) << flags << "\n" << r.output;
+  }
+  EXPECT_FALSE(testing::Exists(dir_ / "s"));
+}
+
 }  // namespace
 }  // namespace ptk
