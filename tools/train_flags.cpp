@@ -397,11 +397,11 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddBatchAndOptimizerFlags(app, f);
   AddDataFlags(app, f);
   AddLoggingAndCheckpointFlags(app, f);
+  train_flags::AddCheckpointKeepingFlags(app, f);
   AddPrecisionFlags(app, f);
   AddParallelFlags(app, f);
   train_flags::AddCompatFlags(app, f);
   train_flags::AddMegatronTableFlags(app, f);
-  train_flags::AddCheckpointKeepingFlags(app, f);
   AddMoreTrainFlags(app, f);
 }
 
