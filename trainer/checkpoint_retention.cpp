@@ -22,17 +22,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// What a ptk save puts in an iteration directory: mp_rank_TT[_PPP]/model_optim_rng.ptk and nothing else.
+// What a ptk save puts in an iteration directory: mp_rank_TT[_PPP]/model_optim_rng.ptk and nothing else (an
+// empty directory is no save's: a save renames its directory in whole, a removal renames it away first).
 bool HoldsOnlyPtkRankFiles(const fs::path& dir) {
   std::error_code ec;
+  bool any = false;
   for (const auto& rank : fs::directory_iterator(dir, ec)) {
+    any = true;
     if (rank.path().filename().string().rfind("mp_rank_", 0) != 0 || rank.is_symlink(ec) || !rank.is_directory(ec))
       return false;
     for (const auto& f : fs::directory_iterator(rank.path(), ec))
       if (f.path().filename() != "model_optim_rng.ptk" || f.is_symlink(ec)) return false;
     if (ec) return false;
   }
-  return !ec;
+  return any && !ec;
 }
 
 }  // namespace

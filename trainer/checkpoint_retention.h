@@ -20,8 +20,9 @@ std::string NonPersistentDir(const std::string& dir, const std::string& given);
 
 // Whether `path` is an iteration directory a ptk save writes: named exactly as CheckpointDir names one
 // (iter_ and seven or more digits), a directory and not a symbolic link, holding nothing but mp_rank_*
-// directories that hold nothing but model_optim_rng.ptk (a damaged or half-written one still counts; a
-// Megatron checkpoint, another tool's files or anything a user put there does not). Its iteration in *iteration.
+// directories that hold nothing but model_optim_rng.ptk (a damaged or half-written one still counts; an empty
+// directory, a Megatron checkpoint, another tool's files or anything a user put there does not). Its iteration in
+// *iteration.
 bool IsPtkIterationDir(const std::string& path, int64_t* iteration = nullptr);
 
 // The iterations of `dir`'s directories IsPtkIterationDir recognises, ascending (none when `dir` is missing).

@@ -92,14 +92,16 @@ TEST(CheckpointRetention, OnlyPtksOwnIterationDirectoriesAreRecognised) {
   Put(dir / "s/iter_0000020/mp_rank_00/model_optim_rng.pt", "torch");
   Put(dir / "s/iter_0000030/notes.txt", "mine");
   std::filesystem::create_directories(dir / "s/iter_40");
+  std::filesystem::create_directories(dir / "s/iter_0000060");  // empty: no save leaves one
   std::filesystem::create_directory_symlink(CheckpointDir(dir / "s", 10), dir / "s/iter_0000050");
   EXPECT_EQ(Iterations(dir / "s"), std::vector<int64_t>{10});
-  for (int64_t it : {20, 30, 50}) {
+  for (int64_t it : {20, 30, 50, 60}) {
     const absl::Status st = RemoveCheckpointIteration(dir / "s", it);
     EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
   }
   EXPECT_TRUE(testing::Exists(dir / "s/iter_0000020/mp_rank_00/model_optim_rng.pt"));
   EXPECT_TRUE(testing::Exists(dir / "s/iter_0000030/notes.txt"));
+  EXPECT_TRUE(testing::Exists(dir / "s/iter_0000060"));
   // The tracker's checkpoint is never removed.
   const absl::Status st = RemoveCheckpointIteration(dir / "s", 10);
   EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
