@@ -73,7 +73,7 @@ inline std::string Leftovers(const std::string& dir) {
   std::string out;
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    for (const char* bad : {".ptk-tmp", ".ptk-lock", ".ptk-publish", ".ptk-verify"})
+    for (const char* bad : {".ptk-tmp", ".ptk-lock", ".ptk-publish", ".ptk-verify", ".ptk-removing"})
       if (name.find(bad) != std::string::npos) {
         out += e.path().string() + "\n";
         break;

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "tools/train_flag_parts.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_retention.h"
 #include "trainer/parallel_layout.h"
 
 namespace ptk {
@@ -245,9 +246,16 @@ absl::StatusOr<int64_t> PaddedVocabSize(const TrainFlags& f, int64_t vocab_size,
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector<std::string>* notes) {
   PTK_RETURN_IF_ERROR(ApplyEncoderSeqLength(app, f));
   if (!f->use_checkpoint_args) return absl::OkStatus();
-  const std::string& load = f->options.load;
-  if (load.empty()) return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");
-  absl::StatusOr<int64_t> latest = CheckpointToLoad(load, f->options.ckpt_step);
+  if (f->options.load.empty())
+    return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");
+  // The checkpoint the run will load: with --non-persistent-ckpt-type global, the non-persistent one where it is
+  // newer (Megatron's load_args_from_checkpoint reads it through _load_base_checkpoint too).
+  const std::string np = f->non_persistent_ckpt_type == "global"
+                             ? NonPersistentDir(f->options.load, f->non_persistent_global_ckpt_dir)
+                             : "";
+  const absl::StatusOr<CheckpointChoice> choice = ChooseCheckpointToLoad(f->options.load, np, f->options.ckpt_step);
+  const absl::StatusOr<int64_t> latest = choice.ok() ? absl::StatusOr<int64_t>(choice->iteration) : choice.status();
+  const std::string load = choice.ok() ? choice->dir : f->options.load;
   if (absl::IsNotFound(latest.status()) && f->options.exit_on_missing_checkpoint)
     return absl::NotFoundError(
         fmt::format("--use-checkpoint-args: no checkpoint in --load {} ({}); "

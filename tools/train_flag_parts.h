@@ -89,6 +89,11 @@ void AddMegatronTableFlags(CLI::App* app, TrainFlags* f);
 const char* MegatronTableReason(const std::string& name, bool refuse);
 // A usage error naming every refused model flag given (the first with its reason); OK when none is.
 absl::Status RefuseOtherModel(const TrainFlags& f);
+// Megatron's non-persistent checkpoints and --save-retain-interval (train_checkpoint_flags.cpp): the flags, then
+// their values checked against --save, --load and --save-interval (a usage error naming the flag) and put into
+// `out` (the non-persistent directories); notes for the local checkpoints' flags, which change nothing.
+void AddCheckpointKeepingFlags(CLI::App* app, TrainFlags* f);
+absl::Status ResolveCheckpointKeeping(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes);
 // A note for each compatibility flag given: "--flag [value]: accepted, why it changes nothing".
 void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes);
 

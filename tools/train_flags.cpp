@@ -429,6 +429,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddBatchAndOptimizerFlags(app, f);
   AddDataFlags(app, f);
   AddLoggingAndCheckpointFlags(app, f);
+  train_flags::AddCheckpointKeepingFlags(app, f);
   AddPrecisionFlags(app, f);
   AddParallelFlags(app, f);
   train_flags::AddCompatFlags(app, f);

@@ -39,6 +39,9 @@ struct TrainFlags {
   bool exit_signal_handler = false;
   std::string exit_signal;  // --exit-signal: "" when not given (Megatron's SIGTERM)
   bool override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
+  // Megatron's non-persistent checkpoints (train_checkpoint_flags.cpp): "" when not given.
+  std::string non_persistent_ckpt_type, non_persistent_global_ckpt_dir, non_persistent_local_ckpt_dir,
+      non_persistent_local_ckpt_algo;
   // precision, parallelism, device
   bool fp16 = false, bf16 = false;
   bool disable_bf16_reduced_precision_matmul = false;

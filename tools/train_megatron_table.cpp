@@ -214,12 +214,8 @@ constexpr Group kGroups[] = {
      "--activation-func-clamp-value= --glu-linear-offset= --quick-geglu"},
     {true, "this rotary-embedding variant is not implemented (ptk has RoPE with --rotary-base, --rotary-percent and --use-rope-scaling)",
      "--mrope-section=+ --no-rope-freq= --rope-type= --rotary-scaling-factor="},
-    {true, "non-persistent (local) checkpoints are not written; --save-interval's checkpoints in --save are",
-     "--non-persistent-ckpt-type= --non-persistent-global-ckpt-dir= --non-persistent-local-ckpt-algo= "
-     "--non-persistent-local-ckpt-dir= --non-persistent-save-interval="},
-    {true, "this checkpoint feature is not implemented; --save-interval's checkpoints in --save are all kept",
-     "--replication --replication-factor= --replication-jump= --save-dgrads-interval= "
-     "--save-retain-interval= --save-wgrads-interval="},
+    {true, "this checkpoint feature is not implemented (ptk saves whole checkpoints: --save, and global non-persistent ones)",
+     "--replication --replication-factor= --replication-jump= --save-dgrads-interval= --save-wgrads-interval="},
     {true, "not implemented: --load restores a checkpoint whole (--no-load-optim, --no-load-rng, --finetune leave parts out; --use-checkpoint-args takes the model's flags)",
      "--load-main-params-from-ckpt --use-mp-args-from-checkpoint-args"},
     {true, "checkpoints are converted by ptk-convert, not by ptk-train",

@@ -519,6 +519,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
   PTK_RETURN_IF_ERROR(CheckSequencesPerDataset(f, o, notes));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
+  PTK_RETURN_IF_ERROR(train_flags::ResolveCheckpointKeeping(f, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
   PTK_RETURN_IF_ERROR(ResolveContextParallel(f, &o));

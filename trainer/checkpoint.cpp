@@ -69,6 +69,7 @@ std::string ConvertHint(const std::string& load) {
 }  // namespace
 
 void SetSaveStepHookForTesting(SaveStepHook hook) { Hook() = std::move(hook); }
+absl::Status CheckpointStep(std::string_view name) { return Step(name); }
 
 std::string CheckpointDir(const std::string& save, int64_t iteration) {
   return JoinPath(save, fmt::format("iter_{:07d}", iteration));
@@ -394,6 +395,10 @@ absl::Status RecoverCheckpointDir(const std::string& save) {
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("iter_", 0) != 0) continue;
+    if (name.find(kRemovingTag) != std::string::npos) {  // a removal a kill interrupted: finished
+      PTK_RETURN_IF_ERROR(RemoveAllOrError(e.path().string()));
+      continue;
+    }
     for (const char* tag : {kTmpTag, kOldTag})
       if (const size_t at = name.find(tag); at != std::string::npos) bases.push_back(name.substr(0, at));
   }

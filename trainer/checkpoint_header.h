@@ -11,6 +11,8 @@
 
 #include <simdjson.h>
 
+#include "absl/status/status.h"
+
 #include "trainer/param_layout.h"
 
 namespace ptk {
@@ -21,6 +23,13 @@ inline constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
 // SHA-256 of all before it.
 inline constexpr int kFormatVersion = 1;
 inline constexpr size_t kDigestChars = 64;
+
+// The tag of an iteration directory being removed (iter_0000100.ptk-removing-PID): renamed so before it is
+// deleted (RemoveCheckpointIteration), never read by a load, deleted by RecoverCheckpointDir.
+inline constexpr char kRemovingTag[] = ".ptk-removing-";
+
+// SetSaveStepHookForTesting's hook, called before each step of a save or a removal (`name`: the step's).
+absl::Status CheckpointStep(std::string_view name);
 
 // Why a checkpoint file of `size` bytes, whose first bytes are `head` (its fixed start and header, or all
 // of it when shorter), is not the length its header records: "cut short: 1000 bytes of the 5208 its header

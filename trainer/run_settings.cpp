@@ -215,6 +215,10 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--load", o.load},
       {"--save-interval", std::to_string(o.save_interval)},
       {"--exit-interval", std::to_string(o.exit_interval)},
+      // Every rank takes part in each save: they must save alike.
+      {"--non-persistent-save-interval", std::to_string(o.non_persistent_save_interval)},
+      {"--non-persistent-global-ckpt-dir", o.non_persistent_dir},
+      {"--save-retain-interval", std::to_string(o.save_retain_interval)},
       {"--exit-duration-in-mins", num(o.exit_duration_in_mins)},
       // A rank that skips an iteration the others train would leave their collectives waiting. As a set: Megatron
       // asks only whether the counter is in the list.

@@ -129,6 +129,16 @@ struct TrainOptions {
   bool barrier_with_l1_time = true;
   std::string save, load;
   int64_t save_interval = 0, exit_interval = 0;
+  // Megatron's non-persistent (global) checkpoints: --non-persistent-ckpt-type global, saved every
+  // --non-persistent-save-interval iterations (0: never) into non_persistent_dir (--non-persistent-global-ckpt-dir
+  // given, else <save>/non_persistent), where each such save first removes the older ones but the latest; a
+  // --load resumes from the newer of its latest and non_persistent_load_dir's (the given directory, else
+  // <load>/non_persistent). All empty without --non-persistent-ckpt-type global.
+  int64_t non_persistent_save_interval = 0;
+  std::string non_persistent_dir, non_persistent_load_dir;
+  // --save-retain-interval: after each save to --save, the checkpoint the tracker named before it is removed
+  // unless its iteration is a multiple of this (0: every checkpoint kept).
+  int64_t save_retain_interval = 0;
   double exit_duration_in_mins = 0;
   // When the process started (main's first statement): --exit-duration-in-mins counts from there, as
   // Megatron's from _TRAIN_START_TIME, so that start-up (the datasets' indices, a checkpoint's load)

@@ -16,6 +16,7 @@
 #include "indexed_dataset/data_loader.h"
 #include "tensorboard/summary_writer.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_retention.h"
 #include "trainer/evaluation.h"
 #include "trainer/phase_watch.h"
 #include "trainer/tensor_parallel_checkpoint.h"
@@ -66,6 +67,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   PTK_RETURN_IF_ERROR(world_->Barrier());  // every rank started (one refused exits: this fails)
   start_up.End();
   save_dir_.Keep();
+  non_persistent_dir_.Keep();
   if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
   start_ = Clock::now();
   interval_.Start();
@@ -175,8 +177,9 @@ absl::StatusOr<StepResult> Trainer::TrainIteration() {
   return r;
 }
 
-absl::Status Trainer::Save() {
+absl::Status Trainer::Save(bool non_persistent) {
   if (o_.save.empty()) return absl::OkStatus();
+  const std::string& dir = non_persistent ? o_.non_persistent_dir : o_.save;
   const IntervalPause paused(&interval_);  // no iteration's time, as Megatron's save_checkpoint_and_time
   // What this checkpoint covers is on disk in the event and metrics files before the tracker
   // names it (the writer is the last stage's): a kill right after the save loses no iteration.
@@ -196,21 +199,48 @@ absl::Status Trainer::Save() {
     state_.settings = settings_;
     std::vector<CheckpointShard> shards;
     for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
-    PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
+    if (non_persistent) PTK_RETURN_IF_ERROR(CleanUpNonPersistent());
+    // --save-retain-interval's candidate: the checkpoint the tracker names until this save replaces it.
+    std::optional<int64_t> previous;
+    if (!non_persistent && o_.save_retain_interval > 0) {
+      if (absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o_.save); latest.ok()) previous = *latest;
+    }
+    PTK_RETURN_IF_ERROR(SaveCheckpoint(dir, shards, state_, o_.args_json));
     const int pp = pipe_ ? pipe_->size() : 1;
-    Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/{} ] ({:.1f} ms)",
-                      state_.iteration, o_.save, parts.size() / static_cast<size_t>(pp), pp,
+    Print(fmt::format("  successfully saved {}checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/{} ] ({:.1f} ms)",
+                      non_persistent ? "non-persistent " : "", state_.iteration, dir,
+                      parts.size() / static_cast<size_t>(pp), pp,
                       std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
+    // Every rank's part is in the checkpoint now complete (rank 0 wrote them all): the older one may go.
+    if (std::string line = RetainAfterSave(o_.save, previous, state_.iteration, o_.save_retain_interval); !line.empty())
+      Print(line);
   }
-  last_saved_ = state_.iteration;
+  (non_persistent ? last_non_persistent_saved_ : last_saved_) = state_.iteration;
   return world_->Barrier();
+}
+
+absl::Status Trainer::CleanUpNonPersistent() {
+  PTK_ASSIGN_OR_RETURN(const NonPersistentCleanup cleanup, CleanUpOldNonPersistent(o_.non_persistent_dir));
+  if (cleanup.removed.empty() && cleanup.kept.empty()) return absl::OkStatus();
+  auto list = [](const std::vector<std::string>& paths) {  // a Python list, as Megatron's lines print it
+    std::string out;
+    for (const std::string& p : paths) out += (out.empty() ? "'" : ", '") + p + "'";
+    return "[" + out + "]";
+  };
+  Print("Non-persistent checkpoints scheduled for removal: " + list(cleanup.removed));
+  Print("Non-persistent checkpoints to be kept: " + list(cleanup.kept));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Trainer::SaveAndDecideExit() {
   double signal = o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0;
   PTK_RETURN_IF_ERROR(world_->AllReduceSum(&signal, 1));
   if (signal > 0) return std::string("exiting program after receiving SIGTERM.");  // Megatron's, for any signal
-  if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
+  if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) {
+    PTK_RETURN_IF_ERROR(Save());
+  } else if (o_.non_persistent_save_interval > 0 && state_.iteration % o_.non_persistent_save_interval == 0) {
+    PTK_RETURN_IF_ERROR(Save(/*non_persistent=*/true));
+  }
   PTK_ASSIGN_OR_RETURN(const TimeLimit limit, CheckExitDuration(world_, started_, o_.exit_duration_in_mins));
   if (limit.reached) return fmt::format("exiting program after {} minutes", py::FloatRepr(limit.minutes));
   const std::vector<int64_t>& phases = o_.phase_transition_iterations;  // Megatron's end of a phase: save and exit
@@ -221,7 +251,8 @@ absl::StatusOr<std::string> Trainer::SaveAndDecideExit() {
 }
 
 absl::StatusOr<TrainSummary> Trainer::Exit(const std::string& reason) {
-  if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+  // As Megatron's: an iteration saved already, persistent or not, is not saved again before the exit.
+  if (last_saved_ != state_.iteration && last_non_persistent_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
   Print(fmt::format("[{}] datetime: {} ", reason, Timestamp()));
   summary_.exit_reason = reason;
   return Close();

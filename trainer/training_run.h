@@ -116,8 +116,13 @@ class Trainer {
   absl::Status Sample();
 
   // A checkpoint of this iteration in --save (none without it): the weights, the moments (ZeRO-1's
-  // shards gathered, so that any number of ranks loads the file), the training step's state.
-  absl::Status Save();
+  // shards gathered, so that any number of ranks loads the file), the training step's state. Then
+  // --save-retain-interval's removal of the checkpoint the tracker named before. `non_persistent`:
+  // into the non-persistent directory instead, after the older checkpoints there are removed.
+  absl::Status Save(bool non_persistent = false);
+
+  // Megatron's cleanup_old_non_persistent_checkpoint and its two lines (rank 0).
+  absl::Status CleanUpNonPersistent();
 
   // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through all-reduces;
   // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins,
@@ -154,9 +159,10 @@ class Trainer {
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
-  std::unique_ptr<Timers> timers_;  // --timing-log-level's
-  StageExchangeAgreement agreed_;   // the forward-only passes' exchange formats, agreed once each
-  SaveDirectory save_dir_;          // rank 0's --save: a start refused on any rank leaves none it made
+  std::unique_ptr<Timers> timers_;    // --timing-log-level's
+  StageExchangeAgreement agreed_;     // the forward-only passes' exchange formats, agreed once each
+  SaveDirectory save_dir_;            // rank 0's --save: a start refused on any rank leaves none it made
+  SaveDirectory non_persistent_dir_;  // rank 0's --non-persistent-global-ckpt-dir outside --save, the same
   TrainState state_;
   TrainSummary summary_;
   TrainingSplits data_;
@@ -169,7 +175,8 @@ class Trainer {
   Clock::time_point started_, start_;  // the process's start (--exit-duration-in-mins), training's
   double wall_before_ = 0;             // training time of the runs before this one
   LogInterval interval_{o_.log_interval};
-  int64_t last_saved_ = -1;
+  int64_t last_saved_ = -1;                 // the last iteration saved to --save
+  int64_t last_non_persistent_saved_ = -1;  // the last saved to the non-persistent directory
 };
 
 }  // namespace ptk::training_detail

@@ -10,10 +10,12 @@
 
 #include <fmt/core.h>
 
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_retention.h"
 #include "trainer/memory_estimate.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_shard.h"
@@ -76,6 +78,10 @@ absl::Status Trainer::SetUp() {
   if (lead_ && !o_.save.empty()) {
     PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
     PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
+    // The non-persistent directory: under --save, its lock holds it; elsewhere, a lock of its own.
+    const std::string& np = o_.non_persistent_dir;
+    if (!np.empty() && np != JoinPath(o_.save, kNonPersistentSubdir)) PTK_RETURN_IF_ERROR(non_persistent_dir_.Take(np));
+    if (!np.empty()) PTK_RETURN_IF_ERROR(RecoverCheckpointDir(np));
   }
   return absl::OkStatus();
 }
@@ -98,8 +104,14 @@ absl::Status Trainer::Resume() {
   if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
   std::string load = o_.load;
   bool finetune = o_.finetune;
-  absl::StatusOr<int64_t> latest =
-      load.empty() ? absl::NotFoundError("not given") : CheckpointToLoad(load, o_.ckpt_step);
+  // --load's latest, or the non-persistent directory's where that is newer (Megatron's _load_base_checkpoint).
+  absl::StatusOr<CheckpointChoice> choice =
+      load.empty() ? absl::NotFoundError("not given")
+                   : ChooseCheckpointToLoad(load, o_.non_persistent_load_dir, o_.ckpt_step);
+  if (choice.ok() && lead_)
+    for (const std::string& line : choice->lines) Print(line);
+  absl::StatusOr<int64_t> latest = choice.ok() ? absl::StatusOr<int64_t>(choice->iteration) : choice.status();
+  if (choice.ok()) load = choice->dir;
   if (absl::IsNotFound(latest.status()) && !o_.pretrained_checkpoint.empty()) {
     latest = PretrainedCheckpointToLoad(o_, latest.status(), lead_);
     load = o_.pretrained_checkpoint;
@@ -110,7 +122,13 @@ absl::Status Trainer::Resume() {
   PTK_RETURN_IF_ERROR(latest.status());
   TrainState loaded;
   std::vector<float> params, m, v;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(load, *latest, model_->layout(), &params, &m, &v, &loaded));
+  if (absl::Status st = LoadCheckpoint(load, *latest, model_->layout(), &params, &m, &v, &loaded); !st.ok()) {
+    if (!choice.ok() || !choice->non_persistent) return st;
+    // Not loaded from --load's latest unasked: the damaged non-persistent checkpoint is named, with the way out.
+    return absl::Status(st.code(), fmt::format("{} (the non-persistent checkpoint, newer than --load's: remove {} to "
+                                               "resume from --load's latest instead)",
+                                               StatusMessage(st), JoinPath(load, "latest_checkpointed_iteration.txt")));
+  }
   PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, load, *latest, finetune || o_.no_load_optim));
   if (!o_.phase_transition_iterations.empty())  // Megatron's check_checkpoint_args compares it then
     for (const auto& [flag, value] : loaded.settings)
