@@ -354,7 +354,7 @@ TEST(CudaModel, SyncOpsChangesNothingAndTheProfileCountsFallbacks) {
     EXPECT_TRUE(grads[0] == grads[1]) << PrecisionName(p);
     // The profile needs an update to report.
     const AdamWParams a{1e-3, 0.9, 0.95, 1e-8, 0.1, 1};
-    ASSERT_TRUE(synced->AdamWUpdate(a, a).ok());
+    ASSERT_TRUE(synced->AdamWUpdate(AdamWGroups::Uniform(a, a)).ok());
     const std::string report = synced->ProfileReport();
     EXPECT_NE(report.find("cuBLASLt fallbacks: "), std::string::npos) << report;
     std::printf("%s", report.c_str());
@@ -372,7 +372,7 @@ TEST(CudaModel, ProfileReportsTheOptimizerAndTheCopies) {
   ASSERT_TRUE(m->ForwardBackwardDeferred(data.Get(0), 1.0 / 200, true, 3).ok());
   ASSERT_TRUE(m->TakeLosses().ok());
   const AdamWParams a{1e-3, 0.9, 0.95, 1e-8, 0.1, 1};
-  ASSERT_TRUE(m->ScaledAdamWUpdate(0.5, a, a).ok());
+  ASSERT_TRUE(m->ScaledAdamWUpdate(0.5, AdamWGroups::Uniform(a, a)).ok());
   const std::string report = m->ProfileReport();
   EXPECT_NE(report.find("  adamw "), std::string::npos) << report;
   EXPECT_NE(report.find("  copies "), std::string::npos) << report;
