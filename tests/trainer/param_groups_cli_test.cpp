@@ -3,7 +3,8 @@
 // (tied embeddings: the word embeddings on the first stage and their copy on the last, both decoupled;
 // untied: the output layer on the last) give one rank's loss lines, which differ from a run without the
 // groups; a resume is bit for bit; a resume with another decoupled rate stops as Megatron's scheduler check
-// does unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler; bad values are refused.
+// does unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler; ptk-convert refuses to
+// write such a checkpoint as Megatron's (two groups only); bad values are refused.
 #include <string>
 #include <vector>
 
@@ -58,6 +59,14 @@ TEST_F(ParamGroupsCli, ResumeIsBitForBitAndAnotherRateStopsAsMegatron) {
     return ShellQuote(dst);
   };
   const std::string same = copy("same"), checkpoint = copy("checkpoint"), other = copy("other");
+  // ptk-convert writes Megatron's two optimizer groups only: a run with a decoupled rate is refused, not
+  // written into groups a Megatron resume would read on --lr's schedule.
+  auto megatron = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver megatron --load-dir " +
+                         ShellQuote(ck) + " --save-dir " + ShellQuote(dir_ / "megatron"));
+  EXPECT_EQ(megatron.exit_code, 1) << megatron.output;
+  EXPECT_NE(megatron.output.find("was trained with --decoupled-lr 0.01: megatron-core keeps the word embeddings"),
+            std::string::npos)
+      << megatron.output;
   auto resumed = RunCmd(Groups(1, 1, "--load " + same));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   auto lines = Lines(whole.output);
