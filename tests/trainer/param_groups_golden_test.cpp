@@ -172,10 +172,11 @@ TEST(ParamGroups, DecoupledRateMovesOnlyTheEmbeddingAndOutputLayer) {
   auto model = CpuGPTModel::Create(c);
   for (const ParamInfo& p : (*model)->layout().infos) {
     const float a = moved[0][static_cast<size_t>(p.offset)], b = moved[1][static_cast<size_t>(p.offset)];
-    if (p.decoupled_lr)
+    if (p.decoupled_lr) {
       EXPECT_NEAR(b, 3 * a, 1e-9) << p.name;  // Adam's first step moves by lr (its sign): three times as far
-    else
+    } else {
       EXPECT_EQ(a, b) << p.name;
+    }
   }
 }
 
