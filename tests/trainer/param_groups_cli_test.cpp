@@ -1,8 +1,8 @@
 // ptk-train's parameter groups end to end (--decoupled-lr, --decoupled-min-lr, --apply-wd-to-qk-layernorm),
-// ranks as processes over loopback gloo: data (with --use-distributed-optimizer), tensor and pipeline ranks
-// (tied embeddings: the word embeddings on the first stage and their copy on the last, both decoupled;
-// untied: the output layer on the last) give one rank's loss lines, which differ from a run without the
-// groups; a resume is bit for bit; a resume with another decoupled rate stops as Megatron's scheduler check
+// ranks as processes over loopback gloo: data (with --use-distributed-optimizer), tensor, context and pipeline
+// ranks, the interleaved schedule too (tied embeddings: the word embeddings on the first stage and their copy on the
+// last, both decoupled; untied: the output layer on the last) give one rank's loss lines, which differ from a run
+// without the groups; a resume is bit for bit; a resume with another decoupled rate stops as Megatron's scheduler check
 // does unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler; ptk-convert refuses to
 // write such a checkpoint as Megatron's (two groups only); bad values are refused.
 #include <string>
@@ -28,7 +28,7 @@ class ParamGroupsCli : public testing::PipelineCliTest {
   std::string Groups(int T, int P, const std::string& extra) { return Train(T, P, kGroups + extra, kIters); }
 };
 
-TEST_F(ParamGroupsCli, DataTensorAndPipelineRanksGiveOneRanksLosses) {
+TEST_F(ParamGroupsCli, DataTensorContextAndPipelineRanksGiveOneRanksLosses) {
   for (const std::string untie : {"", "--untie-embeddings-and-output-weights "}) {
     SCOPED_TRACE(untie.empty() ? "tied embeddings" : "untied");
     auto one = RunCmd(Groups(1, 1, untie));
@@ -44,6 +44,11 @@ TEST_F(ParamGroupsCli, DataTensorAndPipelineRanksGiveOneRanksLosses) {
                                             "D=2, ZeRO-1", &out));
     ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Groups(1, 2, untie), ref, kIters, 1e-6, "P=2", &out));
     ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Groups(2, 1, untie), ref, kIters, 1e-5, "T=2", &out));
+    // Interleaved: the embedding on stage 0's first chunk, the output layer (or the copy) on the last stage's last.
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Groups(1, 2, untie + "--num-layers-per-virtual-pipeline-stage 1"), ref,
+                                            kIters, 1e-6, "P=2, two chunks", &out));
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(2, Groups(1, 1, untie + "--context-parallel-size 2"), ref, kIters, 1e-5, "C=2", &out));
   }
 }
 
