@@ -398,6 +398,25 @@ absl::Status SweepDeadExports(const std::string& save_dir, std::vector<std::stri
   return absl::OkStatus();
 }
 
+// The optimizer groups of the saving run, which this export writes as Megatron's two (weight decay or not): a run
+// with --decoupled-lr (megatron-core keeps the embedding and output layer in a group of their own max_lr and
+// min_lr) or with --apply-wd-to-qk-layernorm on query and key norms (they move to the decayed group) is refused,
+// rather than written into groups a Megatron resume would read with other rates or weight decay.
+absl::Status CheckExportableGroups(const TrainState& state, const GPTConfig& c, const std::string& file) {
+  if (state.scheduler && state.scheduler->decoupled_lr)
+    return absl::FailedPreconditionError(fmt::format(
+        "{} was trained with --decoupled-lr {}: megatron-core keeps the word embeddings and output layer in a "
+        "parameter group of their own (max_lr, min_lr), which the export does not write (Megatron's two groups, "
+        "weight decay or not, only)",
+        file, *state.scheduler->decoupled_lr));
+  if (c.qk_layernorm && SettingStr(state, "--apply-wd-to-qk-layernorm", "off") == "on")
+    return absl::FailedPreconditionError(
+        fmt::format("{} was trained with --apply-wd-to-qk-layernorm: megatron-core then puts the query and key norms "
+                    "in the decayed group, which the export does not write (their group is the norms' there)",
+                    file));
+  return absl::OkStatus();
+}
+
 // The target layout against the checkpoint's model `c` (read from `file`): the vocabulary's padding, the
 // tensor-parallel split, the distributed optimizer's flags, the interleaved schedule (Megatron's checks, arguments.py)
 // and the pipeline split. The model chunks per pipeline rank (1 without the interleaved schedule).
@@ -484,6 +503,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   const std::vector<float>&params = ck.params, &m1 = ck.m1, &m2 = ck.m2;
   const TrainState& state = ck.state;
   PTK_ASSIGN_OR_RETURN(const int64_t vp, CheckExportTarget(o, c, ck.file));
+  PTK_RETURN_IF_ERROR(CheckExportableGroups(state, c, ck.file));
   Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;
   ex.pp = pp;

@@ -117,6 +117,18 @@ void AddBatchAndOptimizerFlags(CLI::App* app, TrainFlags* f) {
                   "Weight decay at the end (only, and then needed, with a linear or cosine increment style)")
       ->check(NonNegative());
   app->add_option("--weight-decay-incr-style", o.schedule.wd_incr_style, "constant, linear or cosine");
+  // Megatron's parameter groups (megatron-core's _get_param_groups).
+  app->add_option("--decoupled-lr", o.schedule.decoupled_lr,
+                  "Peak learning rate of the word embeddings and the output layer (default --lr)")
+      ->check(NonNegative());
+  app->add_option("--decoupled-min-lr", o.schedule.decoupled_min_lr,
+                  "Final learning rate of the word embeddings and the output layer (default --min-lr; with "
+                  "--decoupled-lr)")
+      ->check(NonNegative());
+  app->add_flag("--apply-wd-to-qk-layernorm", o.optimizer.apply_wd_to_qk_layernorm,
+                "Weight decay on the query and key norms too (--qk-layernorm); other norms and biases still none");
+  app->add_option("--no-weight-decay-cond-type", f->no_weight_decay_cond_type,
+                  "apply_wd_to_qk_layernorm: Megatron's deprecated form of --apply-wd-to-qk-layernorm");
   app->add_option("--adam-beta1", o.optimizer.adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));
   app->add_option("--adam-beta2", o.optimizer.adam_beta2, "AdamW beta2")->check(RealIn(0, false, 1, true));
   app->add_option("--adam-eps", o.optimizer.adam_eps, "AdamW epsilon")->check(Positive());

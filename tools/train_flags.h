@@ -29,6 +29,7 @@ struct TrainFlags {
   std::string recompute_granularity, position_embedding_type = "learned_absolute", normalization = "LayerNorm";
   // optimizer and data
   std::string optimizer = "adam";
+  std::string no_weight_decay_cond_type;  // "" or apply_wd_to_qk_layernorm (ResolveParamGroups)
   std::string data_cache_path, tokenizer_type = "GPT2BPETokenizer";
   std::string dataloader_type = "single";
   std::string per_dataset_sequences_path;  // checked against each .idx (CheckSequencesPerDataset)

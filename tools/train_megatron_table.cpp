@@ -207,9 +207,12 @@ constexpr Group kGroups[] = {
      "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
      "--hierarchical-context-parallel-sizes=+ --hybrid-context-parallel --max-seqlen-per-dp-cp-rank= "
      "--num-distributed-optimizer-instances= --pipeline-model-parallel-layout="},
-    {true, "per-parameter-group learning rates and weight decay are not implemented (Megatron's default groups: no weight decay for biases and norms)",
-     "--apply-wd-to-qk-layernorm --decoupled-lr= --decoupled-min-lr= --dump-param-to-param-group-map= "
-     "--head-lr-mult= --no-weight-decay-cond-type="},
+    {true, "Megatron's vision fine-tuning flag: in megatron-core 0.16.1 no parameter group reads it (every group's "
+     "lr_mult stays 1.0), so it would change nothing in a GPT run; ptk's groups take --decoupled-lr",
+     "--head-lr-mult="},
+    {true, "the map of parameters to optimizer groups is not written (ptk's groups: docs/ptk-train.md, "
+     "--decoupled-lr)",
+     "--dump-param-to-param-group-map="},
     {true, "this activation is not implemented (ptk has GELU, --swiglu and --squared-relu)",
      "--activation-func-clamp-value= --glu-linear-offset= --quick-geglu"},
     {true, "this rotary-embedding variant is not implemented (ptk has RoPE with --rotary-base, --rotary-percent and --use-rope-scaling)",

@@ -401,6 +401,31 @@ void SkipTrainSettings(TrainOptions* o, std::vector<std::string>* notes) {
   }
 }
 
+// Megatron's parameter-group flags (megatron-core 0.16.1's get_standard_config_overrides): the deprecated
+// --no-weight-decay-cond-type as Megatron's validate_args turns it into --apply-wd-to-qk-layernorm, and the
+// flags that change nothing without another (Megatron takes them as silently).
+absl::Status ResolveParamGroups(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes) {
+  TrainOptions& o = *out;
+  if (!f.no_weight_decay_cond_type.empty()) {
+    if (f.no_weight_decay_cond_type != "apply_wd_to_qk_layernorm")
+      return Refuse(
+          fmt::format("--no-weight-decay-cond-type {}: the one choice is apply_wd_to_qk_layernorm (as "
+                      "Megatron's)",
+                      f.no_weight_decay_cond_type));
+    o.optimizer.apply_wd_to_qk_layernorm = true;
+    notes->push_back(
+        "--no-weight-decay-cond-type apply_wd_to_qk_layernorm: deprecated in Megatron, taken as "
+        "--apply-wd-to-qk-layernorm");
+  }
+  if (o.optimizer.apply_wd_to_qk_layernorm && !o.model.qk_layernorm)
+    notes->push_back("--apply-wd-to-qk-layernorm: accepted, no effect without --qk-layernorm (as Megatron)");
+  if (o.schedule.decoupled_min_lr && !o.schedule.decoupled_lr) {
+    notes->push_back("--decoupled-min-lr: accepted, no effect without --decoupled-lr (as Megatron)");
+    o.schedule.decoupled_min_lr.reset();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   if (out->no_initialization && out->load.empty() && out->pretrained_checkpoint.empty())
@@ -520,6 +545,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(CheckSequencesPerDataset(f, o, notes));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   PTK_RETURN_IF_ERROR(train_flags::ResolveCheckpointKeeping(f, &o, notes));
+  PTK_RETURN_IF_ERROR(ResolveParamGroups(f, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
   PTK_RETURN_IF_ERROR(ResolveContextParallel(f, &o));

@@ -326,8 +326,11 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
           .Field("wd_incr_style", c.wd_incr_style)
           .Field("init_lr", c.init_lr)
           .Field("wsd_decay_steps", c.wsd_decay_steps)
-          .Field("lr_wsd_decay_style", c.wsd_decay_style)
-          .EndObject();
+          .Field("lr_wsd_decay_style", c.wsd_decay_style);
+      // The embedding and output layer's group, as megatron-core's optimizer param_groups hold it.
+      if (c.decoupled_lr) w.Field("decoupled_lr", *c.decoupled_lr);
+      if (c.decoupled_lr && c.decoupled_min_lr) w.Field("decoupled_min_lr", *c.decoupled_min_lr);
+      w.EndObject();
     }
     w.Field("seed", state.seed)
         .Field("wall_seconds", state.wall_seconds)

@@ -84,6 +84,38 @@ absl::StatusOr<std::string> ReadHead(const std::string& file, uint64_t size) {
   return head;
 }
 
+// The header's opt_param_scheduler (absent from an earlier ptk's checkpoint: *scheduler left empty).
+absl::Status ReadSchedulerSettings(simdjson::dom::element h,
+                                   const std::function<absl::Status(const std::string&)>& corrupt,
+                                   std::optional<SchedulerConfig>* scheduler) {
+  scheduler->reset();
+  simdjson::dom::object sched;
+  if (!h["opt_param_scheduler"].get(sched)) {
+    SchedulerConfig c;
+    std::string_view decay_style, wd_incr_style, wsd_style;
+    if (sched["max_lr"].get(c.max_lr) || sched["min_lr"].get(c.min_lr) ||
+        sched["lr_warmup_steps"].get(c.warmup_steps) || sched["lr_decay_steps"].get(c.decay_steps) ||
+        sched["lr_decay_style"].get(decay_style) || sched["start_wd"].get(c.start_wd) ||
+        sched["end_wd"].get(c.end_wd) || sched["wd_incr_steps"].get(c.wd_incr_steps) ||
+        sched["wd_incr_style"].get(wd_incr_style) || sched["init_lr"].get(c.init_lr) ||
+        sched["wsd_decay_steps"].get(c.wsd_decay_steps) || sched["lr_wsd_decay_style"].get(wsd_style))
+      return corrupt("malformed opt_param_scheduler in the header");
+    c.decay_style = decay_style;
+    c.wd_incr_style = wd_incr_style;
+    c.wsd_decay_style = wsd_style;
+    // Absent: a run on --lr's schedule alone (or an earlier ptk's).
+    for (auto [key, to] : {std::pair{"decoupled_lr", &c.decoupled_lr}, {"decoupled_min_lr", &c.decoupled_min_lr}}) {
+      double rate = 0;
+      const simdjson::error_code e = sched[key].get(rate);
+      if (e == simdjson::NO_SUCH_FIELD) continue;
+      if (e) return corrupt(fmt::format("malformed opt_param_scheduler.{} in the header", key));
+      *to = rate;
+    }
+    *scheduler = c;
+  }
+  return absl::OkStatus();
+}
+
 // The training state a checkpoint's header records (everything but the arrays), into *state.
 absl::Status ReadHeaderState(simdjson::dom::element h, const std::function<absl::Status(const std::string&)>& corrupt,
                              TrainState* state) {
@@ -113,23 +145,7 @@ absl::Status ReadHeaderState(simdjson::dom::element h, const std::function<absl:
     state->loss_scale = ls;
   }
   // The scheduler's settings, when the saving ptk recorded them.
-  state->scheduler.reset();
-  simdjson::dom::object sched;
-  if (!h["opt_param_scheduler"].get(sched)) {
-    SchedulerConfig c;
-    std::string_view decay_style, wd_incr_style, wsd_style;
-    if (sched["max_lr"].get(c.max_lr) || sched["min_lr"].get(c.min_lr) ||
-        sched["lr_warmup_steps"].get(c.warmup_steps) || sched["lr_decay_steps"].get(c.decay_steps) ||
-        sched["lr_decay_style"].get(decay_style) || sched["start_wd"].get(c.start_wd) ||
-        sched["end_wd"].get(c.end_wd) || sched["wd_incr_steps"].get(c.wd_incr_steps) ||
-        sched["wd_incr_style"].get(wd_incr_style) || sched["init_lr"].get(c.init_lr) ||
-        sched["wsd_decay_steps"].get(c.wsd_decay_steps) || sched["lr_wsd_decay_style"].get(wsd_style))
-      return corrupt("malformed opt_param_scheduler in the header");
-    c.decay_style = decay_style;
-    c.wd_incr_style = wd_incr_style;
-    c.wsd_decay_style = wsd_style;
-    state->scheduler = c;
-  }
+  PTK_RETURN_IF_ERROR(ReadSchedulerSettings(h, corrupt, &state->scheduler));
   uint64_t seed = 0;
   if (h["seed"].get(seed)) return corrupt("header misses seed");
   state->seed = seed;

@@ -249,9 +249,9 @@ absl::StatusOr<int64_t> CheckGradRanges(std::span<const GradRange> ranges, int64
   return total;
 }
 
-absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {
+absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWGroups& groups) {
   if (grad_scale != 1.0) PTK_RETURN_IF_ERROR(ScaleGrads(grad_scale));
-  return AdamWUpdate(decay, no_decay);
+  return AdamWUpdate(groups);
 }
 
 }  // namespace ptk

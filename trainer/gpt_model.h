@@ -215,12 +215,12 @@ class GPTModel {
   // Scales the gradients of the range the model updates (all, or the shard's under ZeRO-1).
   virtual absl::Status ScaleGrads(double s) = 0;
   // AdamW over the range the model updates (every tensor, or their parts in the shard's range):
-  // `decay` for weights, `no_decay` for those marked no_weight_decay.
-  virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
+  // each tensor with its group's settings (AdamWGroups::Of: weight decay or none, --decoupled-lr's rate).
+  virtual absl::Status AdamWUpdate(const AdamWGroups& groups) = 0;
   // The gradients scaled by grad_scale (unscaling and clipping), then AdamW: ScaleGrads (skipped
   // at 1) and AdamWUpdate by default; a backend may fold the scale into the update's one pass (the
   // same bits; the gradient buffer may then keep the unscaled gradients).
-  virtual absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay);
+  virtual absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWGroups& groups);
 
   // ---- ZeRO-1 (--use-distributed-optimizer). From this call on the model keeps AdamW's moments
   // for shard.begin()..shard.end() only (zero), and ScaleGrads / AdamWUpdate / Read/WriteMoments

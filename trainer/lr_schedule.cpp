@@ -29,6 +29,15 @@ absl::Status SchedulerConfig::Validate() const {
   }
   if (start_wd < 0 || end_wd < start_wd)
     return bad("weight decay: need 0 <= --start-weight-decay <= --end-weight-decay");
+  if (decoupled_lr) {
+    if (*decoupled_lr < 0 || decoupled_min() < 0)
+      return bad("--decoupled-lr and --decoupled-min-lr must not be negative");
+    if (decoupled_max() < decoupled_min())
+      return bad(
+          fmt::format("--decoupled-lr ({}) must be at least {} ({}): the embedding and output layer's rate "
+                      "would rise as it decays",
+                      decoupled_max(), decoupled_min_lr ? "--decoupled-min-lr" : "--min-lr", decoupled_min()));
+  }
   return absl::OkStatus();
 }
 
@@ -46,6 +55,7 @@ std::string Length(double samples, int64_t per_iteration) {
   return fmt::format("{} samples", samples);
 }
 std::string Rate(double v) { return fmt::format("{}", v); }
+std::string Rate(const std::optional<double>& v, const char* unset) { return v ? Rate(*v) : std::string(unset); }
 
 }  // namespace
 
@@ -79,6 +89,14 @@ std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, 
       len(here.wd_incr_steps), len(saved.wd_incr_steps), "total number of weight decay iterations");
   add(here.wd_incr_style != saved.wd_incr_style, "weight-decay increment style", "--weight-decay-incr-style",
       here.wd_incr_style, saved.wd_incr_style, "weight decay incr style");
+  // Not in the scheduler's state_dict but in its optimizer's: megatron-core keeps each parameter group's
+  // max_lr and min_lr in the optimizer's param_groups, saved with it, and a resume loads them back. Checked
+  // (and resolved by the two flags) as the scheduler's own values; the minimum only where a rate is decoupled.
+  add(here.decoupled_lr != saved.decoupled_lr, "decoupled learning rate (embedding and output layer)", "--decoupled-lr",
+      Rate(here.decoupled_lr, "none (--lr's)"), Rate(saved.decoupled_lr, "none (--lr's)"), "param group max_lr");
+  add((here.decoupled_lr || saved.decoupled_lr) && here.decoupled_min_lr != saved.decoupled_min_lr,
+      "decoupled minimum learning rate", "--decoupled-min-lr", Rate(here.decoupled_min_lr, "none (--min-lr's)"),
+      Rate(saved.decoupled_min_lr, "none (--min-lr's)"), "param group min_lr");
   // ptk's own, where a style in use reads them.
   auto any = [&](auto pred) { return pred(here) || pred(saved); };
   const bool warms = any([](const SchedulerConfig& c) { return c.warmup_steps > 0; });
@@ -125,6 +143,8 @@ absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& h
     out.end_wd = saved.end_wd;
     out.wd_incr_steps = saved.wd_incr_steps;
     out.wd_incr_style = saved.wd_incr_style;
+    out.decoupled_lr = saved.decoupled_lr;
+    out.decoupled_min_lr = saved.decoupled_min_lr;
     notes->push_back("--use-checkpoint-opt_param-scheduler: going on with the checkpoint's schedule: " + checked);
   } else if (!checked.empty()) {
     notes->push_back("--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: " +
@@ -136,19 +156,19 @@ absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& h
   return out;
 }
 
-double OptimizerParamScheduler::lr() const {
+double OptimizerParamScheduler::GroupLr(double max_lr, double min_lr) const {
   const SchedulerConfig& c = config_;
   const double n = static_cast<double>(num_steps_);
-  if (c.warmup_steps > 0 && n <= c.warmup_steps) return c.init_lr + (c.max_lr - c.init_lr) * n / c.warmup_steps;
-  if (c.decay_style == "constant") return c.max_lr;
-  if (num_steps_ > c.decay_steps) return c.min_lr;
+  if (c.warmup_steps > 0 && n <= c.warmup_steps) return c.init_lr + (max_lr - c.init_lr) * n / c.warmup_steps;
+  if (c.decay_style == "constant") return max_lr;
+  if (num_steps_ > c.decay_steps) return min_lr;
   if (c.decay_style == "inverse-square-root") {
     double warmup = std::max(c.warmup_steps, 1.0);
     double steps = std::max(n, 1.0);
-    return std::max(c.min_lr, c.max_lr * std::sqrt(warmup) / std::sqrt(steps));
+    return std::max(min_lr, max_lr * std::sqrt(warmup) / std::sqrt(steps));
   }
   const double decay_ratio = (n - c.warmup_steps) / (static_cast<double>(c.decay_steps) - c.warmup_steps);
-  const double delta = c.max_lr - c.min_lr;
+  const double delta = max_lr - min_lr;
   double coeff = 0;
   if (c.decay_style == "linear") {
     coeff = 1.0 - decay_ratio;
@@ -170,7 +190,7 @@ double OptimizerParamScheduler::lr() const {
         coeff = 1.0 - std::sqrt(r);  // minus_sqrt
     }
   }
-  return c.min_lr + coeff * delta;
+  return min_lr + coeff * delta;
 }
 
 double OptimizerParamScheduler::weight_decay() const {

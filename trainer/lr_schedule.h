@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,13 @@ struct SchedulerConfig {
   double start_wd = 0.01, end_wd = 0.01;
   int64_t wd_incr_steps = 0;
   std::string wd_incr_style = "constant";  // constant|linear|cosine
+  // --decoupled-lr / --decoupled-min-lr: the peak and final rates of the embedding and output layer's
+  // parameter group (megatron-core's standard override of that group's max_lr, and of its min_lr when
+  // given: --min-lr otherwise); warm-up, decay and weight decay as every group's. Unset: --lr's schedule.
+  std::optional<double> decoupled_lr, decoupled_min_lr;
 
+  double decoupled_max() const { return decoupled_lr.value_or(max_lr); }
+  double decoupled_min() const { return decoupled_lr ? decoupled_min_lr.value_or(min_lr) : min_lr; }
   absl::Status Validate() const;
 };
 
@@ -65,7 +72,10 @@ class OptimizerParamScheduler {
   explicit OptimizerParamScheduler(const SchedulerConfig& config) : config_(config) {}
   // Advances by `increment` samples (Megatron steps by the global batch size after each update).
   void Step(int64_t increment) { num_steps_ += increment; }
-  double lr() const;
+  // The rate of the default parameter group (--lr's schedule: Megatron's logged learning rate) and of the
+  // embedding and output layer's (--decoupled-lr's: the same warm-up start, warm-up and decay).
+  double lr() const { return GroupLr(config_.max_lr, config_.min_lr); }
+  double decoupled_lr() const { return GroupLr(config_.decoupled_max(), config_.decoupled_min()); }
   double weight_decay() const;
   int64_t num_steps() const { return num_steps_; }
   void set_num_steps(int64_t n) { num_steps_ = n; }
@@ -73,6 +83,8 @@ class OptimizerParamScheduler {
   void set_config(const SchedulerConfig& config) { config_ = config; }
 
  private:
+  // Megatron's get_lr for a group of peak `max_lr` and final `min_lr`.
+  double GroupLr(double max_lr, double min_lr) const;
   SchedulerConfig config_;
   int64_t num_steps_ = 0;
 };

@@ -31,4 +31,28 @@ struct AdamWParams {
   int64_t step;  // 1-based
 };
 
+// Megatron's optimizer parameter groups (megatron-core 0.16.1's _get_param_groups with its standard
+// overrides): no weight decay on 1-D tensors and biases (--apply-wd-to-qk-layernorm: except the query and
+// key norms'), and the embedding and output layer ("is_embedding_or_output_parameter") on --decoupled-lr's
+// schedule. One AdamWParams per group; a tensor's group from its three marks (ParamInfo, ParamPiece).
+struct AdamWGroups {
+  static constexpr int kCount = 4;
+  // [0] decayed, [1] not decayed, [2] decoupled decayed, [3] decoupled not decayed.
+  AdamWParams group[kCount];
+  bool apply_wd_to_qk_layernorm = false;
+
+  // Every tensor on one rate: `decay` for weights, `no_decay` for the tensors without weight decay.
+  static AdamWGroups Uniform(const AdamWParams& decay, const AdamWParams& no_decay) {
+    return AdamWGroups{{decay, no_decay, decay, no_decay}, false};
+  }
+  int IndexOf(bool no_weight_decay, bool qk_layernorm, bool decoupled_lr) const {
+    const bool no_decay = no_weight_decay && !(apply_wd_to_qk_layernorm && qk_layernorm);
+    return (decoupled_lr ? 2 : 0) + (no_decay ? 1 : 0);
+  }
+  template <typename Tensor>  // ParamInfo or ParamPiece
+  const AdamWParams& Of(const Tensor& t) const {
+    return group[IndexOf(t.no_weight_decay, t.qk_layernorm, t.decoupled_lr)];
+  }
+};
+
 }  // namespace ptk

@@ -221,6 +221,8 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     for (int64_t d : p.shape) p.size *= d;
     p.offset = offset;
     p.no_weight_decay = p.shape.size() == 1;
+    p.qk_layernorm = name.find(".q_layernorm.") != std::string::npos || name.find(".k_layernorm.") != std::string::npos;
+    p.decoupled_lr = name == "embedding.word_embeddings.weight" || name == "output_layer.weight";
     p.init_std = init_std;
     p.init_value = init_value;
     if (config.init_method_xavier_uniform && init_std > 0 && p.shape.size() == 2) {

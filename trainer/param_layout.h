@@ -105,8 +105,12 @@ struct ParamInfo {
   std::vector<int64_t> shape;
   int64_t offset = 0, size = 0;
   bool no_weight_decay = false;  // biases and LayerNorm parameters (1-D), as Megatron's param groups
-  double init_std = 0.0;         // 0: constant init (see init_value)
-  double init_uniform = 0.0;     // > 0: U(-init_uniform, init_uniform) instead (xavier-uniform)
+  bool qk_layernorm = false;     // the query and key norms' (--apply-wd-to-qk-layernorm decays them)
+  // Megatron's is_embedding_or_output_parameter: the word embeddings (and their copy on a last stage with
+  // tied embeddings) and the output layer, on --decoupled-lr's schedule (AdamWGroups).
+  bool decoupled_lr = false;
+  double init_std = 0.0;      // 0: constant init (see init_value)
+  double init_uniform = 0.0;  // > 0: U(-init_uniform, init_uniform) instead (xavier-uniform)
   float init_value = 0.0f;
   // Tensor parallelism (Megatron's partition): -1 every tensor rank holds the whole tensor
   // (LayerNorms, position embeddings, the row-parallel layers' biases); 0 each holds a slice of the

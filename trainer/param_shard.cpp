@@ -37,7 +37,7 @@ std::vector<ParamPiece> PiecesIn(const ParamLayout& layout, int64_t begin, int64
   std::vector<ParamPiece> out;
   for (const ParamInfo& p : layout.infos) {
     const int64_t a = std::max(begin, p.offset), b = std::min(end, p.offset + p.size);
-    if (a < b) out.push_back({a, b - a, p.no_weight_decay, p.tensor_split_dim});
+    if (a < b) out.push_back({a, b - a, p.no_weight_decay, p.qk_layernorm, p.decoupled_lr, p.tensor_split_dim});
   }
   return out;
 }

@@ -39,11 +39,11 @@ struct ParamShard {
   std::vector<int64_t> Counts() const { return CountsIn(0, num_params); }
 };
 
-// The tensors' parts that fall in [begin, end): what AdamW updates there, with each part's weight
-// decay group.
+// The tensors' parts that fall in [begin, end): what AdamW updates there, with the marks of its tensor
+// that choose its optimizer group (AdamWGroups).
 struct ParamPiece {
   int64_t offset = 0, size = 0;
-  bool no_weight_decay = false;
+  bool no_weight_decay = false, qk_layernorm = false, decoupled_lr = false;
   int tensor_split_dim = -1;  // the tensor's (ParamInfo::tensor_split_dim)
 };
 std::vector<ParamPiece> PiecesIn(const ParamLayout& layout, int64_t begin, int64_t end);

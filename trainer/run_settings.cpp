@@ -184,6 +184,9 @@ Settings ScheduleSettings(const TrainOptions& o) {
       {"--start-weight-decay", opt(o.schedule_options.start_weight_decay)},
       {"--end-weight-decay", opt(o.schedule_options.end_weight_decay)},
       {"--weight-decay-incr-style", o.schedule.wd_incr_style},
+      {"--decoupled-lr", opt(o.schedule.decoupled_lr)},
+      {"--decoupled-min-lr", opt(o.schedule.decoupled_min_lr)},
+      {"--apply-wd-to-qk-layernorm", o.optimizer.apply_wd_to_qk_layernorm ? "on" : "off"},
       {"--adam-beta1", num(o.optimizer.adam_beta1)},
       {"--adam-beta2", num(o.optimizer.adam_beta2)},
       {"--adam-eps", num(o.optimizer.adam_eps)},
@@ -397,6 +400,10 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
             "moments carry over exactly; the arithmetic from here is this backend's",
             Shown(flag, value), loaded.iteration, Shown(flag, it->second));
       continue;
+    } else if (flag == "--apply-wd-to-qk-layernorm" && after.count("--qk-layernorm") &&
+               after.at("--qk-layernorm") == "on") {
+      why = value == "on" ? "the query and key norms decay from here (their AdamW moments carry over)"
+                          : "the query and key norms no longer decay from here (their AdamW moments carry over)";
     } else if (flag == "--global-batch-size") {
       why = fmt::format(
           "iterations now take {} samples; the learning-rate schedule (in samples) and the data position go on from "

@@ -306,11 +306,8 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
     if (coeff < 1.0) factor *= coeff;
   }
   ++adam_step_;
-  AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
-  AdamWParams no_wd = a;
-  no_wd.weight_decay = 0.0;
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-inner-step", 1));
-  PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, a, no_wd));
+  PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, Groups(r.lr)));
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-inner-step"));
   // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
   if (model_->shard()) {
@@ -320,6 +317,17 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
   }
   scheduler_.Step(global_batch_size);
   return StopTimer(timers_, "optimizer");
+}
+
+AdamWGroups TrainStep::Groups(double lr) const {
+  // Megatron's scheduler sets each group's lr from its max_lr and min_lr, and its weight decay as the
+  // schedule's times the group's wd_mult (1 or 0).
+  const double wd = scheduler_.weight_decay(), decoupled = scheduler_.decoupled_lr();
+  auto adamw = [&](double rate, double weight_decay) {
+    return AdamWParams{rate, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, weight_decay, adam_step_};
+  };
+  return AdamWGroups{{adamw(lr, wd), adamw(lr, 0.0), adamw(decoupled, wd), adamw(decoupled, 0.0)},
+                     config_.apply_wd_to_qk_layernorm};
 }
 
 absl::StatusOr<double> TrainStep::ShardedGradSumSquares() {

@@ -29,6 +29,9 @@ struct OptimizerConfig {
   // and context ranks and the micro-batches), not 1 / its micro-batch's tokens on its rank
   // (TrainStep::LossScales).
   bool calculate_per_token_loss = false;
+  // --apply-wd-to-qk-layernorm: the query and key norms' parameters decay as weights do (megatron-core's
+  // Qwen3-Next rule); every other 1-D tensor and bias still without weight decay (AdamWGroups).
+  bool apply_wd_to_qk_layernorm = false;
 };
 
 // Megatron's loss scaling for --fp16: ConstantGradScaler (--loss-scale) or DynamicGradScaler
@@ -73,7 +76,7 @@ struct StepResult {
   bool overflow = false;            // skipped by fp16 dynamic loss scaling (not a NaN to stop on)
   double loss_scale = 1.0;          // the scale this step's gradients were computed with
   double next_loss_scale = 1.0;     // the scale after the step's update of it (what Megatron logs)
-  double lr = 0;                    // the learning rate used by this step
+  double lr = 0;  // --lr's group's rate in this step: the one Megatron logs (get_canonical_lr_for_logging)
   // --log-num-zeros-in-grad (Megatron's count_zeros_fp32): zeros among the reduced gradients, when
   // the step was asked to count them and was not skipped.
   std::optional<double> num_zeros_in_grad;
@@ -163,6 +166,9 @@ class TrainStep {
   absl::Status MeasureGrads(StepResult* r);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
+  // This update's settings of each optimizer group: `lr` (--lr's group, as the step computed it) and the
+  // scheduler's decoupled rate, its weight decay or none, the step's count.
+  AdamWGroups Groups(double lr) const;
   // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).
   absl::StatusOr<double> CountZerosInGrad();
 

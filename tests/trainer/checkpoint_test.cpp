@@ -568,6 +568,8 @@ TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
   c.end_wd = 0.1;
   c.wd_incr_steps = 400;
   c.wd_incr_style = "cosine";
+  c.decoupled_lr = 0.01 / 3;  // --decoupled-lr / --decoupled-min-lr: Megatron's group max_lr / min_lr
+  c.decoupled_min_lr = 1e-5;
   s.scheduler = c;
   ASSERT_TRUE(SaveCheckpoint(dir.path(), layout, a.p, a.m, a.v, s, "").ok());
   s.iteration = 6;
@@ -583,6 +585,8 @@ TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
   EXPECT_EQ(got.scheduler->wsd_decay_steps, 80);
   EXPECT_EQ(got.scheduler->wsd_decay_style, "minus_sqrt");
   EXPECT_EQ(got.scheduler_num_steps, 40);
+  EXPECT_EQ(got.scheduler->decoupled_lr, c.decoupled_lr);
+  EXPECT_EQ(got.scheduler->decoupled_min_lr, c.decoupled_min_lr);
   absl::Status st = LoadCheckpoint(dir.path(), 6, layout, &p, &m, &v, &got);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_FALSE(got.scheduler.has_value());

@@ -1,9 +1,10 @@
 // The multi-tensor AdamW table, checked on the CPU (no device needed): every parameter a rank
-// updates is in exactly one chunk, with its tensor's weight-decay group, whole and under ZeRO-1's
-// shards (the union over the ranks is every parameter once), and no chunk crosses a tensor or
-// exceeds kAdamWChunk.
+// updates is in exactly one chunk, with its tensor's optimizer group (weight decay or none, --lr's or
+// --decoupled-lr's rate; --apply-wd-to-qk-layernorm), whole and under ZeRO-1's shards (the union over the
+// ranks is every parameter once), and no chunk crosses a tensor or exceeds kAdamWChunk.
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,8 +28,20 @@ GPTConfig Config(bool untied) {
   return c;
 }
 
+// Megatron's rule (megatron-core 0.16.1's get_standard_config_overrides) from the names alone: no weight decay
+// on 1-D tensors and biases, unless a query or key norm's under --apply-wd-to-qk-layernorm; the word
+// embeddings and the output layer on the decoupled rate.
+int MegatronGroup(const ParamInfo& p, bool apply_wd_qk) {
+  const bool qk = p.name.find("q_layernorm.") != std::string::npos || p.name.find("k_layernorm.") != std::string::npos;
+  const bool bias = p.name.size() >= 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+  const bool no_decay = (p.shape.size() == 1 || bias) && !(apply_wd_qk && qk);
+  const bool decoupled = p.name == "embedding.word_embeddings.weight" || p.name == "output_layer.weight";
+  return (decoupled ? 2 : 0) + (no_decay ? 1 : 0);
+}
+
 // covered[i] counts the chunks holding parameter i; each chunk's group must be its tensor's.
-void Cover(const ParamLayout& layout, const std::vector<AdamWChunk>& table, std::vector<int>* covered) {
+void Cover(const ParamLayout& layout, const std::vector<AdamWChunk>& table, std::vector<int>* covered,
+           bool apply_wd_qk = false) {
   for (const AdamWChunk& k : table) {
     ASSERT_GE(k.size, 1);
     ASSERT_LE(k.size, kAdamWChunk);
@@ -37,7 +50,7 @@ void Cover(const ParamLayout& layout, const std::vector<AdamWChunk>& table, std:
       if (k.offset >= p.offset && k.offset < p.offset + p.size) owner = &p;
     ASSERT_NE(owner, nullptr) << k.offset;
     EXPECT_LE(k.offset + k.size, owner->offset + owner->size) << owner->name << ": a chunk crosses the tensor's end";
-    EXPECT_EQ(k.no_weight_decay != 0, owner->no_weight_decay) << owner->name;
+    EXPECT_EQ(k.group, MegatronGroup(*owner, apply_wd_qk)) << owner->name;
     for (int64_t i = k.offset; i < k.offset + k.size; ++i) ++(*covered)[static_cast<size_t>(i)];
   }
 }
@@ -46,14 +59,15 @@ TEST(CudaAdamWTable, CoversEveryParameterOnceWhole) {
   for (bool untied : {false, true}) {
     auto layout = ParamLayout::Create(Config(untied));
     ASSERT_TRUE(layout.ok());
-    const std::vector<AdamWChunk> table = AdamWTable(*layout, 0, layout->num_params);
+    const std::vector<AdamWChunk> table = AdamWTable(*layout, 0, layout->num_params, AdamWGroups{});
     std::vector<int> covered(static_cast<size_t>(layout->num_params), 0);
     Cover(*layout, table, &covered);
     for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "parameter " << i;
-    // Both groups are present (weights decay; biases and LayerNorms do not).
-    bool decay = false, no_decay = false;
-    for (const AdamWChunk& k : table) (k.no_weight_decay ? no_decay : decay) = true;
-    EXPECT_TRUE(decay && no_decay);
+    // Three groups are present: weights decay, biases and LayerNorms do not, the embedding (tied: the
+    // output layer too) on the decoupled rate; no decoupled tensor is 1-D.
+    std::set<int> groups;
+    for (const AdamWChunk& k : table) groups.insert(k.group);
+    EXPECT_EQ(groups, (std::set<int>{0, 1, 2}));
     // The word embeddings (1024 x 96 = 98304) take 12 full chunks.
     EXPECT_GT(table.size(), layout->infos.size());
   }
@@ -69,7 +83,7 @@ TEST(CudaAdamWTable, ShardsCoverEveryParameterOnceOverTheRanks) {
     for (int rank = 0; rank < world; ++rank) {
       auto shard = ParamShard::Create(layout->num_params, world, rank);
       ASSERT_TRUE(shard.ok()) << shard.status();
-      const std::vector<AdamWChunk> table = AdamWTable(*layout, shard->begin(), shard->end());
+      const std::vector<AdamWChunk> table = AdamWTable(*layout, shard->begin(), shard->end(), AdamWGroups{});
       for (const AdamWChunk& k : table) {
         EXPECT_GE(k.offset, shard->begin());
         EXPECT_LE(k.offset + k.size, shard->end());
@@ -82,7 +96,8 @@ TEST(CudaAdamWTable, ShardsCoverEveryParameterOnceOverTheRanks) {
 
 // --qk-layernorm (LayerNorm: weights and biases; RMSNorm: weights alone) in the Llama line's shape,
 // whole, at tensor rank 1 of 2 and under ZeRO-1: the query and key norms are in exactly one chunk
-// each element, with the other norms' group (no weight decay), like every other parameter.
+// each element (once per rule: covered twice over the two), with the other norms' group (no weight decay), or
+// under --apply-wd-to-qk-layernorm the weights' (decayed), like every other parameter.
 TEST(CudaAdamWTable, CoversTheQueryAndKeyNormsOnce) {
   for (Normalization norm : {Normalization::kLayerNorm, Normalization::kRMSNorm}) {
     GPTConfig c = Config(/*untied=*/true);
@@ -106,10 +121,14 @@ TEST(CudaAdamWTable, CoversTheQueryAndKeyNormsOnce) {
         for (int rank = 0; rank < world; ++rank) {
           auto shard = ParamShard::Create(layout->num_params, world, rank);
           ASSERT_TRUE(shard.ok()) << shard.status();
-          Cover(*layout, AdamWTable(*layout, shard->begin(), shard->end()), &covered);
+          for (bool apply_wd_qk : {false, true}) {
+            AdamWGroups rule;
+            rule.apply_wd_to_qk_layernorm = apply_wd_qk;
+            Cover(*layout, AdamWTable(*layout, shard->begin(), shard->end(), rule), &covered, apply_wd_qk);
+          }
         }
         for (size_t i = 0; i < covered.size(); ++i)
-          ASSERT_EQ(covered[i], 1) << "parameter " << i << ", world " << world << ", tensor " << tensor;
+          ASSERT_EQ(covered[i], 2) << "parameter " << i << ", world " << world << ", tensor " << tensor;
       }
     }
   }

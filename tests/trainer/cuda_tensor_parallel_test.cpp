@@ -89,7 +89,7 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
       AdamWParams a{schedule.max_lr, 0.9, 0.95, 1e-8, 0.1, k + 1};
       AdamWParams none = a;
       none.weight_decay = 0;
-      ASSERT_TRUE(model->AdamWUpdate(a, none).ok());
+      ASSERT_TRUE(model->AdamWUpdate(AdamWGroups::Uniform(a, none)).ok());
     }
   };
   if (T == 1) {

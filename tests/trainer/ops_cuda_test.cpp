@@ -636,21 +636,21 @@ TYPED_TEST(TypedCudaOps, AdamWIsAdamWCpuBitwise) {
 
 // The multi-tensor AdamW over a rank's range of the flat layout (its shard: master and moments
 // shifted to start at the range, gradient and compute copy indexed by the flat index), pieces of
-// both weight-decay groups cut into chunks of at most kAdamWChunk: bitwise cpu::Scale of the gradient
-// then cpu::AdamW piece by piece, two steps; the compute copy round(p) inside the range and
-// untouched outside it.
+// all four optimizer groups (weight decay or none, --lr's or --decoupled-lr's rate) cut into chunks of at
+// most kAdamWChunk: bitwise cpu::Scale of the gradient then cpu::AdamW piece by piece with its group's
+// settings, two steps; the compute copy round(p) inside the range and untouched outside it.
 TYPED_TEST(TypedCudaOps, AdamWMultiIsScaleThenAdamWPerPieceBitwise) {
   using T = TypeParam;
   struct Piece {
     int64_t offset, size;
-    bool no_decay;
+    int32_t group;
   };
   const int64_t total = 30011, begin = 5003;
-  const std::vector<Piece> pieces = {{5003, 9000, false}, {14003, 5, true}, {14008, 16003, false}};
+  const std::vector<Piece> pieces = {{5003, 9000, 2}, {14003, 5, 1}, {14008, 7, 3}, {14015, 15996, 0}};
   std::vector<AdamWChunk> table;
   for (const Piece& p : pieces)
     for (int64_t at = 0; at < p.size; at += kAdamWChunk)
-      table.push_back({p.offset + at, static_cast<int32_t>(std::min(kAdamWChunk, p.size - at)), p.no_decay ? 1 : 0});
+      table.push_back({p.offset + at, static_cast<int32_t>(std::min(kAdamWChunk, p.size - at)), p.group});
   const int64_t shard = total - begin;
   auto master = Normal(shard, 160), m = Normal(shard, 161, 0.0f, 0.01f), v = Normal(shard, 162, 0.0f, 0.01f);
   for (float& x : v) x = x * x;
@@ -663,17 +663,19 @@ TYPED_TEST(TypedCudaOps, AdamWMultiIsScaleThenAdamWPerPieceBitwise) {
   const float grad_scale = 0.37f;
   for (int64_t step = 1; step <= 2; ++step) {
     const auto g = Normal(total, static_cast<uint32_t>(170 + step), 0.0f, 0.1f);
-    const AdamWParams decay{1e-3, 0.9, 0.95, 1e-8, 0.1, step + 4}, no_decay{1e-3, 0.9, 0.95, 1e-8, 0.0, step + 4};
+    const AdamWParams decay{1e-3, 0.9, 0.95, 1e-8, 0.1, step + 4}, no_decay{1e-3, 0.9, 0.95, 1e-8, 0.0, step + 4},
+        decoupled{3e-3, 0.9, 0.95, 1e-8, 0.1, step + 4}, decoupled_no_decay{3e-3, 0.9, 0.95, 1e-8, 0.0, step + 4};
+    const AdamWGroups groups{{decay, no_decay, decoupled, decoupled_no_decay}, false};
     for (const Piece& p : pieces) {
       std::vector<float> gs(g.begin() + p.offset, g.begin() + p.offset + p.size);
       cpu::Scale(gs.data(), p.size, grad_scale);
       const int64_t at = p.offset - begin;
-      cpu::AdamW(master.data() + at, gs.data(), m.data() + at, v.data() + at, p.size, p.no_decay ? no_decay : decay);
+      cpu::AdamW(master.data() + at, gs.data(), m.data() + at, v.data() + at, p.size, groups.group[p.group]);
     }
     dg.Upload(g);
     ASSERT_OK(AdamWMulti<T>(reinterpret_cast<const AdamWChunk*>(dtable.get()), static_cast<int64_t>(table.size()),
                             dmaster.get(), begin, dg.get(), dm.get(), dv.get(), begin, dcompute.get(), grad_scale,
-                            decay, no_decay, this->ctx_));
+                            groups, this->ctx_));
   }
   ExpectBitwise(dmaster.Download(), master, "master");
   ExpectBitwise(dm.Download(), m, "m");
@@ -683,7 +685,7 @@ TYPED_TEST(TypedCudaOps, AdamWMultiIsScaleThenAdamWPerPieceBitwise) {
   ExpectBitwise(dcompute.Download(), want, "compute copy");
   const AdamWParams bad{1e-3, 0.9, 0.95, 1e-8, 0.1, 0};
   EXPECT_EQ(AdamWMulti<T>(reinterpret_cast<const AdamWChunk*>(dtable.get()), 1, dmaster.get(), begin, dg.get(),
-                          dm.get(), dv.get(), begin, nullptr, 1.0f, bad, bad, this->ctx_)
+                          dm.get(), dv.get(), begin, nullptr, 1.0f, AdamWGroups::Uniform(bad, bad), this->ctx_)
                 .code(),
             absl::StatusCode::kInvalidArgument);
 }

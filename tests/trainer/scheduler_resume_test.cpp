@@ -115,5 +115,80 @@ TEST(SchedulerResumeNotes, TheWarmupStartAndWsdAnnealAreTheCommandLinesAndSaidSo
             "these, and its resume takes them from the command line");
 }
 
+// --decoupled-lr / --decoupled-min-lr: megatron-core keeps them as the embedding and output layer's param
+// group max_lr / min_lr, saved in its optimizer and loaded back on resume; ptk checks them as the scheduler's
+// values: another one stops a resume (naming both and the flag), --use-checkpoint-opt_param-scheduler takes
+// the checkpoint's, --override-opt_param-scheduler the command line's. A minimum without a decoupled rate on
+// either side is no difference (it changes nothing there).
+TEST(SchedulerResume, DecoupledRatesAreCheckedAsMegatronsGroupRates) {
+  SchedulerConfig saved;
+  saved.max_lr = 1e-3;
+  saved.min_lr = 1e-4;
+  saved.decay_steps = 100;
+  SchedulerConfig here = saved;
+  here.decoupled_min_lr = 5e-5;
+  EXPECT_TRUE(CompareSchedulers(here, saved, 0).empty());
+  saved.decoupled_lr = 1e-2;
+  here.decoupled_lr = 2e-2;
+  std::vector<std::string> notes;
+  auto check = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kCheck, 7, 0, &notes);
+  ASSERT_FALSE(check.ok());
+  EXPECT_TRUE(IsUsageError(check.status())) << check.status();
+  EXPECT_NE(check.status().message().find("decoupled learning rate (embedding and output layer) (--decoupled-lr): "
+                                          "0.02 here, 0.01 in the checkpoint"),
+            std::string::npos)
+      << check.status();
+  EXPECT_NE(check.status().message().find("decoupled minimum learning rate (--decoupled-min-lr): 5e-05 here, none "
+                                          "(--min-lr's) in the checkpoint"),
+            std::string::npos)
+      << check.status();
+  auto taken = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kUseCheckpoint, 7, 0, &notes);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->decoupled_lr, 1e-2);
+  EXPECT_FALSE(taken->decoupled_min_lr.has_value());
+  auto overridden = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kOverride, 7, 0, &notes);
+  ASSERT_TRUE(overridden.ok()) << overridden.status();
+  EXPECT_EQ(overridden->decoupled_lr, 2e-2);
+  EXPECT_EQ(overridden->decoupled_min_lr, 5e-5);
+  // A checkpoint without one (an earlier ptk's, or a run on --lr's schedule) against a decoupled run.
+  saved.decoupled_lr.reset();
+  EXPECT_FALSE(ResolveResumedScheduler(here, saved, SchedulerOnLoad::kCheck, 7, 0, &notes).ok());
+}
+
+// The decoupled group's rates: Megatron's get_lr with its max_lr and min_lr, the other settings shared; and
+// the values Validate refuses (negative, or a peak below its minimum).
+TEST(SchedulerResume, DecoupledGroupFollowsTheSharedScheduleWithItsOwnRates) {
+  SchedulerConfig c;
+  c.init_lr = 1e-5;
+  c.max_lr = 1e-3;
+  c.min_lr = 1e-4;
+  c.warmup_steps = 4;
+  c.decay_steps = 12;
+  c.decay_style = "linear";
+  c.decoupled_lr = 3e-3;
+  c.decoupled_min_lr = 3e-4;
+  ASSERT_TRUE(c.Validate().ok());
+  OptimizerParamScheduler s(c);
+  s.set_num_steps(2);  // half the warm-up, from the shared start
+  EXPECT_DOUBLE_EQ(s.decoupled_lr(), 1e-5 + (3e-3 - 1e-5) * 0.5);
+  s.set_num_steps(8);  // half the decay
+  EXPECT_DOUBLE_EQ(s.decoupled_lr(), 3e-4 + 0.5 * (3e-3 - 3e-4));
+  EXPECT_DOUBLE_EQ(s.lr(), 1e-4 + 0.5 * (1e-3 - 1e-4));
+  s.set_num_steps(13);
+  EXPECT_EQ(s.decoupled_lr(), 3e-4);
+  c.decoupled_min_lr.reset();  // --min-lr's then
+  s.set_config(c);
+  EXPECT_EQ(s.decoupled_lr(), 1e-4);
+  c.decoupled_lr.reset();  // --lr's schedule
+  s.set_config(c);
+  EXPECT_EQ(s.decoupled_lr(), s.lr());
+  for (auto [rate, minimum] : {std::pair{-1e-3, 0.0}, {1e-3, -1e-4}, {1e-4, 2e-4}}) {
+    SchedulerConfig bad = c;
+    bad.decoupled_lr = rate;
+    bad.decoupled_min_lr = minimum;
+    EXPECT_FALSE(bad.Validate().ok()) << rate << " " << minimum;
+  }
+}
+
 }  // namespace
 }  // namespace ptk

@@ -105,12 +105,12 @@ absl::Status CpuGPTModel::ScaleGrads(double s) {
   return absl::OkStatus();
 }
 
-absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) {
+absl::Status CpuGPTModel::AdamWUpdate(const AdamWGroups& groups) {
   float *p = params_.data(), *g = grads_.data(), *m = exp_avg_.data(), *v = exp_avg_sq_.data();
   if (!shard()) {
     for (const ParamInfo& info : params_info()) {
       const int64_t o = info.offset;
-      cpu::AdamW(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
+      cpu::AdamW(p + o, g + o, m + o, v + o, info.size, groups.Of(info));
     }
     return absl::OkStatus();
   }
@@ -118,7 +118,7 @@ absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParam
   const int64_t base = shard()->begin();
   for (const ParamPiece& piece : PiecesIn(layout(), base, shard()->end())) {
     const int64_t o = piece.offset;
-    cpu::AdamW(p + o, g + o, m + (o - base), v + (o - base), piece.size, piece.no_weight_decay ? no_decay : decay);
+    cpu::AdamW(p + o, g + o, m + (o - base), v + (o - base), piece.size, groups.Of(piece));
   }
   return absl::OkStatus();
 }

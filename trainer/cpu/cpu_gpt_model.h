@@ -77,7 +77,7 @@ class CpuGPTModel final : public GPTModel {
   absl::Status AllReduceGrads(Communicator* comm) override;
   absl::StatusOr<double> GradSumSquares() override;
   absl::Status ScaleGrads(double s) override;
-  absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override;
+  absl::Status AdamWUpdate(const AdamWGroups& groups) override;
   absl::Status ReduceScatterGrads(Communicator* comm) override;
   absl::Status GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) override;
   absl::Status AllGatherParams(Communicator* comm) override;

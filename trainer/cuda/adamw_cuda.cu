@@ -89,14 +89,19 @@ __global__ void SumPartialsKernel(double* out, const double* partials, int64_t c
   if (threadIdx.x == 0) *out = s;
 }
 
+// The coefficients of every optimizer group (AdamWGroups), passed by value as a kernel argument.
+struct AdamWGroupCoefficients {
+  AdamWCoefficients<float> group[AdamWGroups::kCount];
+};
+
 // Block k: chunk k of the table, its elements in strides of the block (coalesced; the pieces'
 // offsets need not be 16-byte aligned).
 template <typename T>
 __global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t master_shift, const float* g, float* m,
                                  float* v, int64_t moment_shift, T* p_compute, float grad_scale,
-                                 AdamWCoefficients<float> decay, AdamWCoefficients<float> no_decay) {
+                                 AdamWGroupCoefficients groups) {
   const AdamWChunk chunk = table[blockIdx.x];
-  const AdamWCoefficients<float> c = chunk.no_weight_decay ? no_decay : decay;
+  const AdamWCoefficients<float> c = groups.group[chunk.group];
   for (int j = static_cast<int>(threadIdx.x); j < chunk.size; j += static_cast<int>(blockDim.x)) {
     const int64_t i = chunk.offset + j;
     float p = master[i - master_shift];
@@ -115,14 +120,15 @@ __global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t
 template <typename T>
 absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift,
                         const float* g, float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
-                        const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx) {
+                        const AdamWGroups& groups, const CudaContext& ctx) {
   auto where = [&] {
-    return fmt::format("AdamWMulti<{}>(chunks={}, step={}, lr={}, grad scale={})", kernel::TypeName<T>(), table_size,
-                       decay.step, decay.lr, grad_scale);
+    return fmt::format("AdamWMulti<{}>(chunks={}, step={}, lr={}, decoupled lr={}, grad scale={})",
+                       kernel::TypeName<T>(), table_size, groups.group[0].step, groups.group[0].lr, groups.group[2].lr,
+                       grad_scale);
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(table_size, "table_size", where));
-  if (decay.step < 1 || no_decay.step < 1)
-    return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
+  for (const AdamWParams& a : groups.group)
+    if (a.step < 1) return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
   if (table_size == 0) return absl::OkStatus();
   if (table_size > 0x7fffffff)
     return absl::InvalidArgumentError(fmt::format("{}: too many chunks for one grid", where()));
@@ -134,9 +140,10 @@ absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* mast
   auto coefficients = [](const AdamWParams& a) {
     return MakeAdamWCoefficients<float>(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step);
   };
+  AdamWGroupCoefficients c;
+  for (int k = 0; k < AdamWGroups::kCount; ++k) c.group[k] = coefficients(groups.group[k]);
   AdamWMultiKernel<T><<<static_cast<unsigned>(table_size), 256, 0, ctx.stream>>>(
-      table, master, master_shift, g, m, v, moment_shift, p_compute, grad_scale, coefficients(decay),
-      coefficients(no_decay));
+      table, master, master_shift, g, m, v, moment_shift, p_compute, grad_scale, c);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -207,7 +214,7 @@ absl::Status Scale(float* x, int64_t n, float s, const CudaContext& ctx) {
   template absl::Status AdamW<T>(float*, const float*, float*, float*, int64_t, const AdamWParams&, T*,          \
                                  const CudaContext&);                                                            \
   template absl::Status AdamWMulti<T>(const AdamWChunk*, int64_t, float*, int64_t, const float*, float*, float*, \
-                                      int64_t, T*, float, const AdamWParams&, const AdamWParams&, const CudaContext&);
+                                      int64_t, T*, float, const AdamWGroups&, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

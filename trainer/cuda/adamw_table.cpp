@@ -8,12 +8,13 @@
 
 namespace ptk::cuda {
 
-std::vector<AdamWChunk> AdamWTable(const ParamLayout& layout, int64_t begin, int64_t end) {
+std::vector<AdamWChunk> AdamWTable(const ParamLayout& layout, int64_t begin, int64_t end, const AdamWGroups& groups) {
   std::vector<AdamWChunk> table;
-  for (const ParamPiece& p : PiecesIn(layout, begin, end))
+  for (const ParamPiece& p : PiecesIn(layout, begin, end)) {
+    const int32_t group = groups.IndexOf(p.no_weight_decay, p.qk_layernorm, p.decoupled_lr);
     for (int64_t at = 0; at < p.size; at += kAdamWChunk)
-      table.push_back(
-          {p.offset + at, static_cast<int32_t>(std::min(kAdamWChunk, p.size - at)), p.no_weight_decay ? 1 : 0});
+      table.push_back({p.offset + at, static_cast<int32_t>(std::min(kAdamWChunk, p.size - at)), group});
+  }
   return table;
 }
 

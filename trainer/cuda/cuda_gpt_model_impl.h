@@ -90,8 +90,8 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::StatusOr<double> SumSquaresOf(int64_t offset, int64_t count);
   absl::Status ScaleGrads(double s) override;
   // One launch over the table of the pieces this rank updates, the gradient scale folded in.
-  absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) override;
-  absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override;
+  absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWGroups& groups) override;
+  absl::Status AdamWUpdate(const AdamWGroups& groups) override;
 
   // cuda_gpt_model_ops.cpp.
   std::string ProfileReport() const override;
@@ -526,6 +526,7 @@ class CudaGPTModelImpl final : public GPTModel {
   // The multi-tensor AdamW table (adamw_table.h) on the device; built at the first update.
   AdamWChunk* adamw_table_ = nullptr;
   int64_t adamw_table_size_ = -1;
+  bool adamw_table_qk_wd_ = false;  // the --apply-wd-to-qk-layernorm the table's groups were chosen with
   // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
   int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
   int64_t profiled_steps_ = 0;

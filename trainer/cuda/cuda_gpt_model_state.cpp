@@ -194,14 +194,20 @@ absl::Status CudaGPTModelImpl<T>::ScaleGrads(double s) {
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay,
-                                                    const AdamWParams& no_decay) {
-  if (unfused_.adamw_per_tensor) return GPTModel::ScaledAdamWUpdate(grad_scale, decay, no_decay);
+absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const AdamWGroups& groups) {
+  if (unfused_.adamw_per_tensor) return GPTModel::ScaledAdamWUpdate(grad_scale, groups);
   const int64_t base = moments_begin();
+  // The chunks' groups depend on --apply-wd-to-qk-layernorm: a table built for the other rule is rebuilt.
+  if (adamw_table_size_ >= 0 && adamw_table_qk_wd_ != groups.apply_wd_to_qk_layernorm) {
+    PTK_CUDA_RETURN_IF_ERROR(cudaFree(adamw_table_), "freeing the AdamW table");
+    adamw_table_ = nullptr;
+    adamw_table_size_ = -1;
+  }
   if (adamw_table_size_ < 0) {
-    const std::vector<AdamWChunk> table = AdamWTable(layout(), base, base + moments_size());
+    const std::vector<AdamWChunk> table = AdamWTable(layout(), base, base + moments_size(), groups);
     const size_t bytes = std::max<size_t>(1, table.size()) * sizeof(AdamWChunk);
     PTK_CUDA_RETURN_IF_ERROR(cudaMalloc(&adamw_table_, bytes), "allocating the AdamW table");
+    adamw_table_qk_wd_ = groups.apply_wd_to_qk_layernorm;
     if (!table.empty())
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(adamw_table_, table.data(), table.size() * sizeof(AdamWChunk),
                                                cudaMemcpyHostToDevice, ctx_.stream),
@@ -212,25 +218,24 @@ absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const Ada
   Begin();
   ++profiled_steps_;
   T* compute = kFlash ? Compute(0) : nullptr;
-  return Op(
-      "adamw", "adamw",
-      AdamWMulti<T>(adamw_table_, adamw_table_size_, Buf<float>(plan_.master), plan_.master_sharded ? master_begin_ : 0,
-                    Grad(0), Buf<float>(plan_.exp_avg), Buf<float>(plan_.exp_avg_sq), base, compute,
-                    static_cast<float>(grad_scale), decay, no_decay, ctx_));
+  return Op("adamw", "adamw",
+            AdamWMulti<T>(adamw_table_, adamw_table_size_, Buf<float>(plan_.master),
+                          plan_.master_sharded ? master_begin_ : 0, Grad(0), Buf<float>(plan_.exp_avg),
+                          Buf<float>(plan_.exp_avg_sq), base, compute, static_cast<float>(grad_scale), groups, ctx_));
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) {
+absl::Status CudaGPTModelImpl<T>::AdamWUpdate(const AdamWGroups& groups) {
   Begin();
   ++profiled_steps_;
   // The moments hold [moments_begin(), ...) only under ZeRO-1.
   const int64_t base = moments_begin();
   for (const ParamPiece& p : PiecesIn(layout(), base, base + moments_size())) {
     T* compute = kFlash ? Compute(p.offset) : nullptr;
-    PTK_RETURN_IF_ERROR(Op("adamw", "adamw",
-                           AdamW<T>(MasterOf(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
-                                    Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size,
-                                    p.no_weight_decay ? no_decay : decay, compute, ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("adamw", "adamw",
+           AdamW<T>(MasterOf(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
+                    Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size, groups.Of(p), compute, ctx_)));
   }
   return absl::OkStatus();
 }
@@ -420,9 +425,8 @@ absl::Status CudaGPTModelImpl<T>::UploadRange(int index, const float* in, int64_
   template absl::StatusOr<double> CudaGPTModelImpl<T>::GradSumSquares();                                            \
   template absl::StatusOr<double> CudaGPTModelImpl<T>::SumSquaresOf(int64_t offset, int64_t count);                 \
   template absl::Status CudaGPTModelImpl<T>::ScaleGrads(double s);                                                  \
-  template absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay,         \
-                                                               const AdamWParams& no_decay);                        \
-  template absl::Status CudaGPTModelImpl<T>::AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay);    \
+  template absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const AdamWGroups& groups);       \
+  template absl::Status CudaGPTModelImpl<T>::AdamWUpdate(const AdamWGroups& groups);                                \
   template absl::Status CudaGPTModelImpl<T>::ResizeMoments(const ParamShard& shard);                                \
   template absl::Status CudaGPTModelImpl<T>::BeginBucketReduction(const std::vector<GradRange>& buckets);           \
   template void CudaGPTModelImpl<T>::LaunchBucket(int bucket, const GradRange& range);                              \

@@ -370,15 +370,15 @@ absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, cons
                    const CudaContext& ctx);
 // One launch over a table of pieces (adamw_table.h: table_size chunks in device memory): chunk k
 // updates parameters [offset, offset + size) of the flat layout with the gradient scaled by
-// grad_scale first (g * grad_scale in fp32: Scale's bits, then AdamW's), `decay` or `no_decay`
-// by the chunk's group. The fp32 master of flat index i is master[i - master_shift], the moments
-// m[i - moment_shift] and v[i - moment_shift], the gradient g[i], the compute copy (may be null)
-// p_compute[i]. The same bits as Scale then AdamW piece by piece.
+// grad_scale first (g * grad_scale in fp32: Scale's bits, then AdamW's), with the settings of the
+// chunk's group (AdamWChunk::group into groups.group). The fp32 master of flat index i is master[i - master_shift], the
+// moments m[i - moment_shift] and v[i - moment_shift], the gradient g[i], the compute copy (may be null) p_compute[i].
+// The same bits as Scale then AdamW piece by piece.
 struct AdamWChunk;
 template <typename T>
 absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift,
                         const float* g, float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
-                        const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx);
+                        const AdamWGroups& groups, const CudaContext& ctx);
 // Sum of squares in double over fixed blocks, written to *out (device memory). partials:
 // SumSquaresPartials(n) doubles of device scratch.
 absl::Status SumSquares(double* out, const float* x, int64_t n, double* partials, const CudaContext& ctx);
