@@ -94,6 +94,11 @@ absl::Status RefuseOtherModel(const TrainFlags& f);
 // `out` (the non-persistent directories); notes for the local checkpoints' flags, which change nothing.
 void AddCheckpointKeepingFlags(CLI::App* app, TrainFlags* f);
 absl::Status ResolveCheckpointKeeping(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes);
+// The optimizer's flags (train_optimizer_flags.cpp): fp16's loss scaling into out->loss_scale (a note for the
+// flags that change nothing: any without --fp16, the dynamic ones beside --loss-scale), and Megatron's parameter
+// groups (--no-weight-decay-cond-type as --apply-wd-to-qk-layernorm; a usage error for another value).
+void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes);
+absl::Status ResolveParamGroups(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes);
 // A note for each compatibility flag given: "--flag [value]: accepted, why it changes nothing".
 void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes);
 

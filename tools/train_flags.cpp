@@ -166,8 +166,8 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
                 "Not supported: attention is causal over the whole sequence");
 }
 
-// Evaluation, logging, checkpoints.
-void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
+// Evaluation: how often, how much, Megatron's evaluation modes.
+void AddEvaluationFlags(CLI::App* app, TrainFlags* f) {
   TrainOptions& o = f->options;
   app->add_option("--eval-interval", o.eval_interval, "Evaluate on the validation split every N iterations")
       ->check(IntIn(1, kMaxCount));
@@ -181,6 +181,11 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--multiple-validation-sets", o.multiple_validation_sets,
                 "Evaluate each --valid-data-path prefix as a set of its own ('validation-0 loss at ...', TensorBoard's "
                 "'lm loss validation-0'); needs --full-validation or --skip-train");
+}
+
+// Logging, checkpoints.
+void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
+  TrainOptions& o = f->options;
   app->add_option("--log-interval", o.log_interval, "Print the log line every N iterations")
       ->check(IntIn(1, kMaxCount));
   app->add_flag("--log-throughput", o.tensorboard.log_throughput,
@@ -440,6 +445,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   AddModelFlags(app, f);
   AddBatchAndOptimizerFlags(app, f);
   AddDataFlags(app, f);
+  AddEvaluationFlags(app, f);
   AddLoggingAndCheckpointFlags(app, f);
   train_flags::AddCheckpointKeepingFlags(app, f);
   AddPrecisionFlags(app, f);

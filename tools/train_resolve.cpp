@@ -323,34 +323,6 @@ absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
 }
 
 // Checkpoints' schedule, seed, device, precision, profiling, loss scaling, communicator, metrics.
-// Megatron's loss scaling, fp16's only. A flag of it that changes nothing says so: without --fp16 any of them
-// (only --loss-scale did; --initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis were
-// taken without a word), and beside --loss-scale's constant scale those of the dynamic scaling.
-void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes) {
-  std::string dynamic;  // the dynamic scaling's flags given
-  for (const auto& [name, given] : {std::pair{"--initial-loss-scale", f.initial_loss_scale.has_value()},
-                                    std::pair{"--min-loss-scale", f.min_loss_scale.has_value()},
-                                    std::pair{"--loss-scale-window", f.loss_scale_window.has_value()},
-                                    std::pair{"--hysteresis", f.hysteresis.has_value()}})
-    if (given) dynamic += (dynamic.empty() ? "" : ", ") + std::string(name);
-  if (!f.fp16) {
-    const std::string all = f.loss_scale ? "--loss-scale" + (dynamic.empty() ? "" : ", " + dynamic) : dynamic;
-    if (!all.empty()) notes->push_back(all + ": accepted, loss scaling applies to --fp16 only");
-    return;
-  }
-  LossScaleConfig& ls = out->loss_scale;
-  ls.dynamic = !f.loss_scale.has_value();
-  ls.scale = f.loss_scale.value_or(f.initial_loss_scale.value_or(4294967296.0));
-  ls.min_scale = f.min_loss_scale.value_or(1.0);
-  ls.window = static_cast<int64_t>(f.loss_scale_window.value_or(1000));
-  ls.hysteresis = f.hysteresis.value_or(2);
-  if (f.loss_scale && !dynamic.empty())
-    notes->push_back(
-        fmt::format("{}: accepted, --loss-scale {} is a constant scale: dynamic scaling's settings are "
-                    "not used (as in Megatron)",
-                    dynamic, py::FloatRepr(*f.loss_scale)));
-}
-
 // Flags whose work needs another flag that is not given: a note for each, as --save-interval without --save
 // has (they were taken without a word: --log-timers-to-tensorboard without --tensorboard-dir wrote nothing,
 // --no-load-optim without --load loaded nothing). Megatron takes them as silently.
@@ -401,31 +373,6 @@ void SkipTrainSettings(TrainOptions* o, std::vector<std::string>* notes) {
   }
 }
 
-// Megatron's parameter-group flags (megatron-core 0.16.1's get_standard_config_overrides): the deprecated
-// --no-weight-decay-cond-type as Megatron's validate_args turns it into --apply-wd-to-qk-layernorm, and the
-// flags that change nothing without another (Megatron takes them as silently).
-absl::Status ResolveParamGroups(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes) {
-  TrainOptions& o = *out;
-  if (!f.no_weight_decay_cond_type.empty()) {
-    if (f.no_weight_decay_cond_type != "apply_wd_to_qk_layernorm")
-      return Refuse(
-          fmt::format("--no-weight-decay-cond-type {}: the one choice is apply_wd_to_qk_layernorm (as "
-                      "Megatron's)",
-                      f.no_weight_decay_cond_type));
-    o.optimizer.apply_wd_to_qk_layernorm = true;
-    notes->push_back(
-        "--no-weight-decay-cond-type apply_wd_to_qk_layernorm: deprecated in Megatron, taken as "
-        "--apply-wd-to-qk-layernorm");
-  }
-  if (o.optimizer.apply_wd_to_qk_layernorm && !o.model.qk_layernorm)
-    notes->push_back("--apply-wd-to-qk-layernorm: accepted, no effect without --qk-layernorm (as Megatron)");
-  if (o.schedule.decoupled_min_lr && !o.schedule.decoupled_lr) {
-    notes->push_back("--decoupled-min-lr: accepted, no effect without --decoupled-lr (as Megatron)");
-    o.schedule.decoupled_min_lr.reset();
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   if (out->no_initialization && out->load.empty() && out->pretrained_checkpoint.empty())
@@ -458,7 +405,7 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
     }
   } else if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
-  ResolveLossScale(f, &o, notes);
+  train_flags::ResolveLossScale(f, &o, notes);
   NoteFlagsWithoutTheirTarget(f, o, notes);
   o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
                           : o.backend.device == Device::kCuda ? "nccl"
@@ -545,7 +492,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(CheckSequencesPerDataset(f, o, notes));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   PTK_RETURN_IF_ERROR(train_flags::ResolveCheckpointKeeping(f, &o, notes));
-  PTK_RETURN_IF_ERROR(ResolveParamGroups(f, &o, notes));
+  PTK_RETURN_IF_ERROR(train_flags::ResolveParamGroups(f, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
   PTK_RETURN_IF_ERROR(ResolveContextParallel(f, &o));

@@ -119,7 +119,9 @@ TEST(CheckpointRetention, KillAtEveryStepOfARemovalLeavesWholeOrNothing) {
     ASSERT_TRUE(Save(s, 20, 2).ok());
     const bool killed = KilledAt(k, [&] { return RemoveCheckpointIteration(s, 10); });
     SCOPED_TRACE("killed at step " + std::to_string(k));
-    if (testing::Exists(CheckpointDir(s, 10))) EXPECT_EQ(Tag(s, 10), 1);
+    if (testing::Exists(CheckpointDir(s, 10))) {
+      EXPECT_EQ(Tag(s, 10), 1);
+    }
     ASSERT_TRUE(RecoverCheckpointDir(s).ok());
     EXPECT_EQ(Tag(s, 20), 2);
     const std::vector<int64_t> left = Iterations(s);
