@@ -1,8 +1,9 @@
 // ptk-train's mixture-of-experts layers end to end (--num-experts, CPU): the log line's
-// load_balancing_loss, checkpoints under Megatron's expert names that resume bit for bit and refuse
-// other MoE flags as another model, data parallelism (plain and --use-distributed-optimizer, ranks as
-// processes over loopback gloo), --dry-run's parameter count against megatron-core's (the golden's
-// tensors), and every feature and combination not implemented refused in one line naming it.
+// load_balancing_loss, checkpoints under Megatron's expert names that resume bit for bit (the MoE flags
+// taken by --use-checkpoint-args) and refuse other MoE flags as another model, ptk-convert's refusal,
+// data parallelism (plain, --use-distributed-optimizer and --overlap-grad-reduce, ranks as processes
+// over loopback gloo), --dry-run's parameter count against megatron-core's (the golden's tensors), and
+// every feature and combination not implemented refused in one line naming it.
 #include <cstdio>
 #include <filesystem>
 #include <regex>
@@ -98,6 +99,16 @@ TEST_F(MoeTrainCli, AStoppedRunResumesBitForBitAndOtherMoeFlagsAreAnotherModel) 
   ASSERT_EQ(b.size(), 3u) << resumed.output;
   EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
   EXPECT_NE(a[0].find("load_balancing_loss"), std::string::npos) << a[0];
+  // --use-checkpoint-args takes the MoE flags from the checkpoint over the command line's (Megatron's force=True).
+  auto taken =
+      RunCmd(Train("--moe-layer-freq 1 --moe-router-topk 1 --moe-router-pre-softmax --use-checkpoint-args --load " +
+                   ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), b);
+  for (const char* note : {"--use-checkpoint-args: --moe-router-topk 2 from the checkpoint",
+                           "--use-checkpoint-args: --moe-router-pre-softmax off from the checkpoint",
+                           "--use-checkpoint-args: --moe-layer-freq [1,0] from the checkpoint"})
+    EXPECT_NE(taken.output.find(note), std::string::npos) << note << "\n" << taken.output;
   for (const char* other : {"--moe-layer-freq 1", "--moe-layer-freq 2 --moe-router-topk 1",
                             "--moe-layer-freq 2 --moe-router-pre-softmax"}) {
     auto r = RunCmd(Train(std::string(other) + " --load " + ShellQuote(dir_ / "ck")));
@@ -123,6 +134,11 @@ TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
     for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << i;
   }
   EXPECT_EQ(testing::LogLinesWithoutTimes(plain), testing::LogLinesWithoutTimes(zero));
+  // --overlap-grad-reduce's buckets (small ones: several per MoE layer) reduce the same sums.
+  std::string overlap;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--overlap-grad-reduce --ddp-bucket-size 5000"), ref, 6, 1e-5,
+                                          "2 ranks, overlapped reduction", &overlap));
+  EXPECT_EQ(testing::LogLinesWithoutTimes(plain), testing::LogLinesWithoutTimes(overlap));
 }
 
 // megatron-core's parameter count of tests/data/trainer/moe_gelu's model (its golden's tensors).
