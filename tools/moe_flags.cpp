@@ -30,7 +30,8 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
       ->check(NonNegative());
   app->add_option("--moe-router-load-balancing-type", m.load_balancing_type,
                   "aux_loss (the default: the switch load-balancing loss, weighted by --moe-aux-loss-coeff) or none");
-  app->add_option("--moe-router-score-function", m.score_function, "softmax (the default; sigmoid is refused)");
+  app->add_option("--moe-router-score-function", m.score_function,
+                  "softmax (the default) or sigmoid (the top-k's sigmoids over their sum)");
   app->add_flag("--moe-router-pre-softmax", m.pre_softmax,
                 "The probabilities are the softmax over all experts' logits, not over the top-k ones");
   app->add_option("--moe-layer-freq", m.layer_freq,
@@ -135,9 +136,8 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
                         ": not implemented; ptk has aux_loss (the switch load-balancing loss) and none");
   if (m.load_balancing_type.size() > 1 || m.aux_loss_coeff.size() > 1)
     return UsageError("--moe-router-load-balancing-type / --moe-aux-loss-coeff: one type and one coefficient");
-  if (m.score_function != "softmax")
-    return UsageError("--moe-router-score-function " + m.score_function +
-                      ": not implemented; ptk's router scores by softmax (Megatron's default)");
+  if (m.score_function != "softmax" && m.score_function != "sigmoid")
+    return UsageError("--moe-router-score-function " + m.score_function + ": softmax or sigmoid (Megatron's choices)");
   if (!m.dispatcher.empty() && m.dispatcher != "allgather" && m.dispatcher != "alltoall")
     return UsageError("--moe-token-dispatcher-type " + m.dispatcher +
                       ": ptk's dispatch is allgather's and alltoall's at one rank (flex needs DeepEP on GPUs)");
@@ -148,6 +148,11 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
         fmt::format("--moe-router-topk {} is more than --num-experts {}", model->moe_router_topk, m.num_experts));
   model->moe_ffn_hidden_size = m.ffn.value_or(0);
   model->moe_router_pre_softmax = m.pre_softmax;
+  model->moe_router_sigmoid = m.score_function == "sigmoid";
+  if (m.pre_softmax && model->moe_router_sigmoid)
+    notes->push_back(
+        "--moe-router-pre-softmax: accepted, no effect with --moe-router-score-function sigmoid (as "
+        "Megatron)");
   const bool none = !m.load_balancing_type.empty() && m.load_balancing_type[0] == "none";
   const double coeff = m.aux_loss_coeff.empty() ? 0.0 : m.aux_loss_coeff[0];
   model->moe_aux_loss_coeff = none ? 0.0 : coeff;

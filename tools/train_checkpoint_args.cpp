@@ -154,6 +154,10 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       *field = v;
     }
   if (flag == "--moe-layer-freq") f->moe.layer_freq = value;  // its written pattern, "[1,0,1]"
+  if (flag == "--moe-router-score-function") {
+    if (value != "softmax" && value != "sigmoid") return bad();
+    f->moe.score_function = value;
+  }
   if (flag == "--num-query-groups")  // as many groups as heads: Megatron's multi-head attention
     f->group_query_attention = f->num_query_groups != m->num_attention_heads;
   if (flag == "--normalization") {

@@ -64,6 +64,7 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--moe-router-topk",
     "--moe-ffn-hidden-size",
     "--moe-router-pre-softmax",
+    "--moe-router-score-function",
     "--moe-layer-freq",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
@@ -85,6 +86,7 @@ inline constexpr const char* kCheckpointForcedFlags[] = {
     "--moe-router-topk",
     "--moe-ffn-hidden-size",
     "--moe-router-pre-softmax",
+    "--moe-router-score-function",
     "--moe-layer-freq",
 };
 

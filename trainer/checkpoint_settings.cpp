@@ -160,6 +160,7 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("moe_router_topk", c.moe_router_topk)
         .Field("moe_ffn_hidden_size", c.moe_ffn())
         .Field("moe_router_pre_softmax", c.moe_router_pre_softmax)
+        .Field("moe_router_score_function", std::string(c.moe_router_sigmoid ? "sigmoid" : "softmax"))
         .Field("moe_layer_freq", "[" + layers + "]");
   }
   return w.EndObject().str();

@@ -78,6 +78,8 @@ struct GPTConfig {
   int64_t moe_router_topk = 2;
   int64_t moe_ffn_hidden_size = 0;
   bool moe_router_pre_softmax = false;
+  // --moe-router-score-function sigmoid (softmax otherwise; pre_softmax is then not read, as Megatron).
+  bool moe_router_sigmoid = false;
   double moe_aux_loss_coeff = 0;
   std::vector<int> moe_layer_pattern;
 

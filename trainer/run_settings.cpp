@@ -131,6 +131,7 @@ Settings MoeSettingsOf(const GPTConfig& m) {
       {"--moe-router-topk", std::to_string(m.moe_router_topk)},
       {"--moe-ffn-hidden-size", std::to_string(m.moe_ffn())},
       {"--moe-router-pre-softmax", m.moe_router_pre_softmax ? "on" : "off"},
+      {"--moe-router-score-function", m.moe_router_sigmoid ? "sigmoid" : "softmax"},
       {"--moe-aux-loss-coeff", Num(m.moe_aux_loss_coeff)},
       {"--moe-layer-freq", layers + "]"},
   };

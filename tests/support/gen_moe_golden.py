@@ -29,7 +29,7 @@ STEPS = 3
 COMMON = dict(num_layers=3, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, seq_length=8,
               max_position_embeddings=8, vocab_size=40, padded_vocab_size=40, micro_batch_size=2,
               num_micro_batches=2, lr=1e-2, min_lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, num_experts=4)
+              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, num_experts=4, moe_router_score_function="softmax")
 GOLDENS = {
     # GELU experts (torch's exact GELU without biases), top-2 of 4, softmax after top-k, layers MoE, dense, MoE.
     "moe_gelu": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
@@ -37,6 +37,9 @@ GOLDENS = {
     # SwiGLU experts, top-3 of 4, softmax before top-k, every layer MoE, the experts' ffn the dense one's.
     "moe_swiglu": dict(moe_router_topk=3, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.1, swiglu=True,
                        moe_router_pre_softmax=True, moe_layer_freq=1),
+    # GELU experts, top-2 of 4 by the sigmoid score function, layers dense, MoE, MoE.
+    "moe_sigmoid": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                        moe_router_pre_softmax=False, moe_layer_freq=[0, 1, 1], moe_router_score_function="sigmoid"),
 }
 
 
@@ -58,6 +61,7 @@ def build(torch, g):
         moe_ffn_hidden_size=c["moe_ffn_hidden_size"] or c["ffn_hidden_size"],
         moe_aux_loss_coeff=c["moe_aux_loss_coeff"], moe_router_load_balancing_type="aux_loss",
         moe_router_pre_softmax=c["moe_router_pre_softmax"], moe_token_dispatcher_type="allgather",
+        moe_router_score_function=c["moe_router_score_function"],
         moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32")
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],

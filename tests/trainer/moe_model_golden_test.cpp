@@ -1,16 +1,17 @@
 // The CPU model's mixture-of-experts layers against megatron-core 0.16.1 itself
 // (tests/support/gen_moe_golden.py: its GPTModel with TopKRouter and SequentialMLP experts, its DDP,
 // optimizer and scheduler on the CPU): a GELU model with MoE, dense and MoE layers (top-2 of 4,
-// softmax after top-k) and a SwiGLU one with every layer MoE (top-3, softmax before top-k), both with
-// the load-balancing loss. The layout (Megatron's names, shapes and order of the MoE parameters), the
-// first step's lm loss, grad norm, load_balancing_loss and every gradient within 1e-5 relative, and
-// three optimizer steps' losses and the weights after them.
+// softmax after top-k), a SwiGLU one with every layer MoE (top-3, softmax before top-k) and a GELU one
+// routed by sigmoid scores (dense, MoE, MoE layers), all with the load-balancing loss. The layout (Megatron's names,
+// shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
+// within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
@@ -49,6 +50,7 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     c.moe_ffn_hidden_size = g_.Int("moe_ffn_hidden_size");
     c.moe_router_pre_softmax = g_.meta["config"]["moe_router_pre_softmax"].get_bool();
     c.moe_aux_loss_coeff = g_.Num("moe_aux_loss_coeff");
+    c.moe_router_sigmoid = g_.meta["config"]["moe_router_score_function"].get_string().value() == "sigmoid";
     for (auto v : g_.meta["config"]["moe_layer_pattern"].get_array()) c.moe_layer_pattern.push_back(int(int64_t(v)));
     config_ = c;
   }
@@ -135,7 +137,9 @@ TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
   auto r = step.ComputeGradients(batches_.Step(0), 0);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->load_balancing_loss, 0.0);  // Megatron logs none without a coefficient
-  const ParamInfo* router = model->FindParam("decoder.layers.0.mlp.router.weight");
+  int64_t first = 0;                       // the first MoE layer
+  while (!config_.moe_layer(first)) ++first;
+  const ParamInfo* router = model->FindParam(fmt::format("decoder.layers.{}.mlp.router.weight", first));
   ASSERT_NE(router, nullptr);
   EXPECT_GT(RelError(model->grads() + router->offset, g_.Tensor<float>("grad:" + router->name)), 1e-3);
 }
@@ -156,7 +160,7 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
         << p.name;  // as the Llama golden: Adam's first steps amplify
 }
 
-INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden, ::testing::Values("moe_gelu", "moe_swiglu"));
+INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden, ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid"));
 
 }  // namespace
 }  // namespace ptk

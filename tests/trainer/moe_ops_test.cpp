@@ -98,13 +98,14 @@ TEST(MoeOps, GradientsMatchFiniteDifferences) {
   s.ffn = 3;
   for (MlpActivation act :
        {MlpActivation::kGelu, MlpActivation::kGeluExact, MlpActivation::kSwiglu, MlpActivation::kSquaredRelu})
-    for (bool pre : {false, true})
+    for (int score : {0, 1, 2})  // softmax after top-k, before it, sigmoid
       for (int64_t k : {1, 2, 3}) {
         s.activation = act;
-        s.pre_softmax = pre;
+        s.pre_softmax = score == 1;
+        s.sigmoid = score == 2;
         s.topk = k;
         SCOPED_TRACE(::testing::Message()
-                     << "activation " << static_cast<int>(act) << " pre_softmax " << pre << " topk " << k);
+                     << "activation " << static_cast<int>(act) << " score " << score << " topk " << k);
         CheckLayerGradients(s, 0.0);
         CheckLayerGradients(s, 0.37);
       }

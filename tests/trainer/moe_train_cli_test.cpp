@@ -171,7 +171,7 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   const std::string moe = " --num-experts 4 --disable-bias-linear";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --num-experts 4", "usage error: --num-experts without --disable-bias-linear"},
-      {moe + " --moe-router-score-function sigmoid", "usage error: --moe-router-score-function sigmoid: not"},
+      {moe + " --moe-router-score-function tanh", "usage error: --moe-router-score-function tanh: softmax or sigmoid"},
       {moe + " --moe-router-load-balancing-type seq_aux_loss",
        "usage error: --moe-router-load-balancing-type "
        "seq_aux_loss: not implemented"},

@@ -13,7 +13,8 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
   s.experts = cf.num_experts;
   s.topk = cf.moe_router_topk;
   s.ffn = cf.moe_ffn();
-  s.pre_softmax = cf.moe_router_pre_softmax;
+  s.pre_softmax = cf.moe_router_pre_softmax && !cf.moe_router_sigmoid;
+  s.sigmoid = cf.moe_router_sigmoid;
   s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
                  : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
                  : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact

@@ -71,6 +71,54 @@ void Dispatch(MoeActivations<T>* a, const MoeSettings& s) {
   for (int64_t i = 0; i < n * K; ++i) a->order[next[a->expert[i]]++] = i;
 }
 
+// Token i's routing under the sigmoid score function (MoeSettings::sigmoid).
+template <typename T>
+void RouteSigmoid(MoeActivations<T>* a, int64_t i, const MoeSettings& s) {
+  const int64_t E = s.experts, K = s.topk;
+  const T* z = a->logits.data() + i * E;
+  T* g = a->gates.data() + i * E;
+  T* sc = a->scores.data() + i * E;
+  int32_t* chosen = a->expert.data() + i * K;
+  T* p = a->prob.data() + i * K;
+  T all = 0;
+  for (int64_t e = 0; e < E; ++e) all += g[e] = T{1} / (T{1} + std::exp(-z[e]));
+  for (int64_t e = 0; e < E; ++e) sc[e] = g[e] / (all + T(1e-20));
+  TopK(chosen, g, E, K);
+  T top = 0;
+  for (int64_t k = 0; k < K; ++k) top += p[k] = g[chosen[k]];
+  if (K > 1)
+    for (int64_t k = 0; k < K; ++k) p[k] /= top + T(1e-20);
+}
+
+// Its backward: token i's logits' gradient added to dz from its probabilities' (dp) and, with aux_unit,
+// the load-balancing loss's (aux_unit x the tokens each expert got, per normalised score).
+template <typename T>
+void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T* dp, const MoeSettings& s,
+                           double aux_unit) {
+  const int64_t E = s.experts, K = s.topk;
+  const T* g = a.gates.data() + i * E;
+  const T* sc = a.scores.data() + i * E;
+  const int32_t* chosen = a.expert.data() + i * K;
+  const T* p = a.prob.data() + i * K;
+  std::vector<T> ds(static_cast<size_t>(E), T{0});  // the gates' gradient
+  if (K == 1) {
+    ds[chosen[0]] = dp[0];
+  } else {
+    T top = 0, dot = 0;
+    for (int64_t k = 0; k < K; ++k) top += g[chosen[k]], dot += p[k] * dp[k];
+    for (int64_t k = 0; k < K; ++k) ds[chosen[k]] = (dp[k] - dot) / (top + T(1e-20));
+  }
+  if (aux_unit != 0) {
+    T all = 0, dot = 0;
+    for (int64_t e = 0; e < E; ++e) all += g[e];
+    for (int64_t e = 0; e < E; ++e)
+      dot += sc[e] * static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e]));
+    for (int64_t e = 0; e < E; ++e)
+      ds[e] += (static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e])) - dot) / (all + T(1e-20));
+  }
+  for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
+}
+
 }  // namespace
 
 template <typename T>
@@ -83,7 +131,12 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
   a->prob.resize(static_cast<size_t>(n * K));
   a->expert.resize(static_cast<size_t>(n * K));
   MatmulForward(a->logits.data(), x, w_router, static_cast<const T*>(nullptr), n, c, E);
+  if (s.sigmoid) a->gates.resize(static_cast<size_t>(n * E));
   for (int64_t i = 0; i < n; ++i) {
+    if (s.sigmoid) {
+      RouteSigmoid(a, i, s);
+      continue;
+    }
     const T* z = a->logits.data() + i * E;
     T* sc = a->scores.data() + i * E;
     int32_t* chosen = a->expert.data() + i * K;
@@ -156,6 +209,10 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad)
     const T* sc = a->scores.data() + i * E;
     const int32_t* chosen = a->expert.data() + i * K;
     const T* dp = a->dprob.data() + i * K;
+    if (s.sigmoid) {
+      SigmoidRouterBackward(dz, *a, i, dp, s, aux_unit);
+      continue;
+    }
     if (s.pre_softmax) {
       std::fill(d.begin(), d.begin() + E, T{0});
       for (int64_t k = 0; k < K; ++k) d[chosen[k]] = dp[k];

@@ -5,7 +5,7 @@
 // rows in token order, Megatron's permute), each expert the dense MLP's shape without biases with
 // its output's rows scaled by the token's probability after the activation (MLP's per_token_scale),
 // the outputs added back per token; the switch-style load-balancing loss
-// (switch_load_balancing_loss_func) and its gradient.
+// (switch_load_balancing_loss_func) and its gradient. With sigmoid, Megatron's sigmoid score function.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +17,12 @@ enum class MlpActivation { kGelu, kGeluExact, kSquaredRelu, kSwiglu };
 
 struct MoeSettings {
   int64_t experts = 0, topk = 2;
-  int64_t ffn = 0;  // each expert's ffn width (--moe-ffn-hidden-size); fc1 has 2 x ffn rows under SwiGLU
-  bool pre_softmax = false;
+  int64_t ffn = 0;           // each expert's ffn width (--moe-ffn-hidden-size); fc1 has 2 x ffn rows under SwiGLU
+  bool pre_softmax = false;  // softmax scores only
+  // Megatron's --moe-router-score-function sigmoid: scores sigmoid(logits), the top-k's probabilities
+  // those scores over their sum (+1e-20; the score itself at k = 1), the load-balancing loss's scores
+  // each token's sigmoids over their sum (+1e-20).
+  bool sigmoid = false;
   MlpActivation activation = MlpActivation::kGelu;
   int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
   // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
@@ -31,6 +35,7 @@ struct MoeActivations {
   int64_t n = 0;
   std::vector<T> logits;        // (n, E) the router's
   std::vector<T> scores;        // (n, E) softmax over all experts (the aux loss's, pre_softmax's)
+  std::vector<T> gates;         // (n, E) under sigmoid: sigmoid(logits) (scores then holds them normalised)
   std::vector<T> prob;          // (n, K) the chosen experts' probabilities
   std::vector<int32_t> expert;  // (n, K) the chosen experts, by descending score
   // The n·K rows sent to the experts: row r is slot order[r] (token order[r] / K), expert e's rows
