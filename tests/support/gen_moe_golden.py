@@ -29,7 +29,8 @@ STEPS = 3
 COMMON = dict(num_layers=3, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, seq_length=8,
               max_position_embeddings=8, vocab_size=40, padded_vocab_size=40, micro_batch_size=2,
               num_micro_batches=2, lr=1e-2, min_lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, num_experts=4, moe_router_score_function="softmax")
+              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, num_experts=4, moe_router_score_function="softmax",
+              calculate_per_token_loss=False)
 GOLDENS = {
     # GELU experts (torch's exact GELU without biases), top-2 of 4, softmax after top-k, layers MoE, dense, MoE.
     "moe_gelu": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
@@ -40,6 +41,10 @@ GOLDENS = {
     # GELU experts, top-2 of 4 by the sigmoid score function, layers dense, MoE, MoE.
     "moe_sigmoid": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
                         moe_router_pre_softmax=False, moe_layer_freq=[0, 1, 1], moe_router_score_function="sigmoid"),
+    # moe_gelu's model with --calculate-per-token-loss (the load-balancing loss x the micro-batch's tokens,
+    # the gradients over the global batch's loss tokens) and a quarter of the tokens masked.
+    "moe_per_token": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                          moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], calculate_per_token_loss=True),
 }
 
 
@@ -62,6 +67,7 @@ def build(torch, g):
         moe_aux_loss_coeff=c["moe_aux_loss_coeff"], moe_router_load_balancing_type="aux_loss",
         moe_router_pre_softmax=c["moe_router_pre_softmax"], moe_token_dispatcher_type="allgather",
         moe_router_score_function=c["moe_router_score_function"],
+        calculate_per_token_loss=c["calculate_per_token_loss"],
         moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32")
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
@@ -80,6 +86,7 @@ def build(torch, g):
 
 
 def run(torch, name, g, out_dir):
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)
     torch.manual_seed(1234)
@@ -99,7 +106,12 @@ def run(torch, name, g, out_dir):
     tokens = torch.randint(0, c["vocab_size"], (STEPS * m, b, s + 1), generator=gen)
     put("tokens", tokens[:, :, :-1].to(torch.int32), "<i")
     put("labels", tokens[:, :, 1:].to(torch.int32), "<i")
-    put("loss_mask", torch.ones(STEPS * m, b, s))
+    per_token = c["calculate_per_token_loss"]
+    # --calculate-per-token-loss: a quarter of the tokens masked, so that its scaling (the router's tokens,
+    # padding too, over the loss's) differs from 1 / micro-batches.
+    mask = ((torch.rand(STEPS * m, b, s, generator=torch.Generator().manual_seed(11)) > 0.25).float() if per_token
+            else torch.ones(STEPS * m, b, s))
+    put("loss_mask", mask)
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
     moe_layers = sum(c["moe_layer_freq"]) if isinstance(c["moe_layer_freq"], list) else c["num_layers"]
     steps = []
@@ -107,15 +119,18 @@ def run(torch, name, g, out_dir):
         model.zero_grad_buffer()
         opt.zero_grad()
         clear_aux_losses_tracker()
-        lm = 0.0
+        lm, total = 0.0, float(mask[step * m:(step + 1) * m].sum())
         for k in range(m):
-            x = tokens[step * m + k]
+            x, mk = tokens[step * m + k], mask[step * m + k]
             losses = model(x[:, :-1], pos, None, labels=x[:, 1:]).float()
-            loss = losses.sum() / losses.numel() / m
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / m)
+            # pretrain_gpt's loss_func and the schedule's scaling (forward_step_calc_loss, MoE's set_loss_scale).
+            loss = (losses * mk).sum() if per_token else (losses * mk).sum() / mk.sum() / m
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) if per_token else torch.ones(1) / m)
             loss.backward()
-            lm += float(loss)
-        model.finish_grad_sync()
+            lm += float(loss) / total if per_token else float(loss)
+        # Megatron-LM's finalize_model_grads: the data-parallel reduction, and with per-token loss the
+        # division by the global batch's loss tokens.
+        finalize_model_grads([model], num_tokens=torch.tensor(total) if per_token else None)
         if step == 0:
             for n, p in gpt.named_parameters():
                 put("grad:" + n, p.main_grad.float())

@@ -2,7 +2,8 @@
 // (tests/support/gen_moe_golden.py: its GPTModel with TopKRouter and SequentialMLP experts, its DDP,
 // optimizer and scheduler on the CPU): a GELU model with MoE, dense and MoE layers (top-2 of 4,
 // softmax after top-k), a SwiGLU one with every layer MoE (top-3, softmax before top-k) and a GELU one
-// routed by sigmoid scores (dense, MoE, MoE layers), all with the load-balancing loss. The layout (Megatron's names,
+// routed by sigmoid scores (dense, MoE, MoE layers), and the first with --calculate-per-token-loss and a
+// quarter of the tokens masked, all with the load-balancing loss. The layout (Megatron's names,
 // shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
 // within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
@@ -75,6 +76,11 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     s.start_wd = s.end_wd = g_.Num("weight_decay");
     return s;
   }
+  OptimizerConfig Optimizer() {
+    OptimizerConfig o = g_.Optimizer();
+    o.calculate_per_token_loss = g_.meta["config"]["calculate_per_token_loss"].get_bool();
+    return o;
+  }
   int64_t GlobalBatch() { return g_.Int("micro_batch_size") * g_.Int("num_micro_batches"); }
   double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
 
@@ -109,7 +115,7 @@ TEST_P(MoeGolden, TheLayoutIsMegatronCores) {
 TEST_P(MoeGolden, TheFirstStepsGradientsMatchMegatron) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
-  TrainStep step(model.get(), g_.Optimizer(), Schedule(), comm.get());
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
   auto r = step.ComputeGradients(batches_.Step(0), 0);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_LE(std::abs(r->lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
@@ -133,7 +139,7 @@ TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
   config_ = no_aux;
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
-  TrainStep step(model.get(), g_.Optimizer(), Schedule(), comm.get());
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
   auto r = step.ComputeGradients(batches_.Step(0), 0);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->load_balancing_loss, 0.0);  // Megatron logs none without a coefficient
@@ -147,7 +153,7 @@ TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
 TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
-  TrainStep step(model.get(), g_.Optimizer(), Schedule(), comm.get());
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
   const int64_t steps = static_cast<int64_t>(g_.meta["steps"].get_array().size());
   for (int64_t s = 0; s < steps; ++s) {
     auto r = step.Step(batches_.Step(s), GlobalBatch(), 0);
@@ -160,7 +166,8 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
         << p.name;  // as the Llama golden: Adam's first steps amplify
 }
 
-INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden, ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid"));
+INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
+                         ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token"));
 
 }  // namespace
 }  // namespace ptk
