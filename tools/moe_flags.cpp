@@ -39,6 +39,8 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "Megatron's: \"[1,0,1,1]\", \"([1]*3+[0])*2\"");
   app->add_option("--moe-token-dispatcher-type", m.dispatcher,
                   "allgather or alltoall: accepted, the same math at one rank (flex is refused)");
+  app->add_option("--moe-router-dtype", m.router_dtype,
+                  "fp32: accepted (the CPU backend's router is fp32 already); fp64 is refused");
   app->add_flag("--moe-grouped-gemm", m.grouped_gemm, "Accepted: the experts run one after another (same math)");
   app->add_flag("--moe-permute-fusion", m.permute_fusion, "Accepted: kernel fusion flag (same math)");
   app->add_option("--expert-model-parallel-size", m.expert_parallel, "Expert-parallel ranks: 1 (more is refused)")
@@ -126,7 +128,8 @@ absl::Status ResolveLayerFreq(const std::string& freq, int64_t layers, std::vect
 absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
   const TrainFlags::Moe& m = f.moe;
   if (m.num_experts == 0) {
-    if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty())
+    if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
+        !m.router_dtype.empty())
       notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
     return absl::OkStatus();
   }
@@ -138,6 +141,11 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
     return UsageError("--moe-router-load-balancing-type / --moe-aux-loss-coeff: one type and one coefficient");
   if (m.score_function != "softmax" && m.score_function != "sigmoid")
     return UsageError("--moe-router-score-function " + m.score_function + ": softmax or sigmoid (Megatron's choices)");
+  if (!m.router_dtype.empty() && m.router_dtype != "fp32")
+    return UsageError("--moe-router-dtype " + m.router_dtype +
+                      ": ptk's router computes in fp32 (--moe-router-dtype fp32, the CPU backend's precision)");
+  if (!m.router_dtype.empty())
+    notes->push_back("--moe-router-dtype fp32: accepted, the CPU backend's router is fp32 already");
   if (!m.dispatcher.empty() && m.dispatcher != "allgather" && m.dispatcher != "alltoall")
     return UsageError("--moe-token-dispatcher-type " + m.dispatcher +
                       ": ptk's dispatch is allgather's and alltoall's at one rank (flex needs DeepEP on GPUs)");

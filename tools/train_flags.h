@@ -85,7 +85,7 @@ struct TrainFlags {
     std::optional<int64_t> topk, ffn;
     std::vector<double> aux_loss_coeff;
     std::vector<std::string> load_balancing_type;
-    std::string score_function = "softmax", layer_freq, dispatcher;
+    std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
   } moe;

@@ -138,7 +138,7 @@ constexpr Group kGroups[] = {
      "--moe-flex-dispatcher-backend= --moe-hybridep-num-sms= "
      "--moe-input-jitter-eps= --moe-latent-size= --moe-layer-recompute "
      "--moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference "
-     "--moe-router-bias-update-rate= --moe-router-dtype= "
+     "--moe-router-bias-update-rate= "
      "--moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion "
      "--moe-router-group-topk= --moe-router-num-groups= "
      "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "

@@ -17,6 +17,7 @@
 #include <simdjson.h>
 
 #include "tests/trainer/golden_util.h"
+#include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
@@ -164,6 +165,32 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
   for (const ParamInfo& p : model->params_info())
     EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4)
         << p.name;  // as the Llama golden: Adam's first steps amplify
+}
+
+// What the MoE layers do not run with is refused by the library too, not only by ptk-train's flags.
+TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 16;
+  c.seq_length = c.max_position_embeddings = 4;
+  c.vocab_size = c.padded_vocab_size = 16;
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  BackendOptions cuda;
+  cuda.device = Device::kCuda;
+  EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  BackendOptions stage;
+  stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
+  EXPECT_EQ(CreateModel(c, stage).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
+  EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
+  c.add_bias_linear = true;  // the experts have no biases
+  EXPECT_FALSE(ParamLayout::Create(c).ok());
+  c.add_bias_linear = false;
+  c.moe_router_topk = 5;  // more than the experts
+  EXPECT_FALSE(ParamLayout::Create(c).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,

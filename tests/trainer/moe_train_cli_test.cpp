@@ -185,6 +185,7 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-group-topk 2", "--moe-router-group-topk 2: this mixture-of-experts"},
       {moe + " --moe-router-topk-scaling-factor 2", "--moe-router-topk-scaling-factor 2: this mixture"},
       {moe + " --moe-token-dispatcher-type flex", "usage error: --moe-token-dispatcher-type flex:"},
+      {moe + " --moe-router-dtype fp64", "usage error: --moe-router-dtype fp64: ptk's router computes in fp32"},
       {moe + " --moe-router-topk 5", "usage error: --moe-router-topk 5 is more than --num-experts 4"},
       {moe + " --moe-layer-freq '[1,0]'", "usage error: --moe-layer-freq [1,0]: 2 entries for --num-layers 3"},
       {moe + " --moe-layer-freq '[1,2,1]'", "usage error: --moe-layer-freq [1,2,1]: entry 2"},
@@ -207,9 +208,11 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   }
   // Speed-only flags are accepted with a note, and --moe-* without --num-experts changes nothing (as Megatron).
   auto r = RunCmd(base + moe + " --moe-grouped-gemm --moe-permute-fusion --moe-token-dispatcher-type alltoall" +
+                  " --moe-router-dtype fp32" +
                   " --moe-router-load-balancing-type none --moe-aux-loss-coeff 0.1 --train-iters 1");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("note: --moe-grouped-gemm: accepted, speed only"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("note: --moe-router-dtype fp32: accepted"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("note: --moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type "
                           "none"),
             std::string::npos)
