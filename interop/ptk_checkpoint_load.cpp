@@ -49,6 +49,11 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
+  if (int64_t experts = 0; !m["num_experts"].get(experts))  // ptk-train's MoE layers: no exporter maps them yet
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: a mixture-of-experts model (--num-experts {}): ptk-convert does not export MoE checkpoints yet (to "
+        "Hugging Face or Megatron); ptk-train resumes it",
+        file, experts));
   if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only
     std::string_view pos;
     bool swiglu = false, bias = true, qkv_bias = false;

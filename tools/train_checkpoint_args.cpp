@@ -31,6 +31,7 @@ constexpr const char* kSwitches[] = {
     "--qk-layernorm",
     "--squared-relu",
     "--apply-layernorm-1p",
+    "--moe-router-pre-softmax",
 };
 bool IsSwitch(const std::string& flag) {
   for (const char* s : kSwitches)
@@ -123,7 +124,8 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
                                                 {"--max-position-embeddings", &m->max_position_embeddings},
                                                 {"--vocab-size", &m->vocab_size},
                                                 {"--kv-channels", &f->kv_channels},
-                                                {"--num-query-groups", &f->num_query_groups}};
+                                                {"--num-query-groups", &f->num_query_groups},
+                                                {"--num-experts", &f->moe.num_experts}};
   const std::map<std::string, double*> reals = {
       {"--layernorm-epsilon", &m->layernorm_epsilon},
       {"--hidden-dropout", &m->hidden_dropout},
@@ -141,10 +143,22 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       {"--add-qkv-bias", &m->add_qkv_bias},
       {"--qk-layernorm", &m->qk_layernorm},
       {"--squared-relu", &m->squared_relu},
-      {"--apply-layernorm-1p", &m->apply_layernorm_1p}};
+      {"--apply-layernorm-1p", &m->apply_layernorm_1p},
+      {"--moe-router-pre-softmax", &f->moe.pre_softmax}};
   if (auto it = ints.find(flag); it != ints.end()) PTK_RETURN_IF_ERROR(as_int(it->second));
   if (auto it = reals.find(flag); it != reals.end()) PTK_RETURN_IF_ERROR(as_real(it->second));
   if (auto it = switches.find(flag); it != switches.end()) *it->second = on;
+  for (auto [name, field] : {std::pair{"--moe-router-topk", &f->moe.topk}, {"--moe-ffn-hidden-size", &f->moe.ffn}})
+    if (flag == name) {
+      int64_t v = 0;
+      PTK_RETURN_IF_ERROR(as_int(&v));
+      *field = v;
+    }
+  if (flag == "--moe-layer-freq") f->moe.layer_freq = value;  // its written pattern, "[1,0,1]"
+  if (flag == "--moe-router-score-function") {
+    if (value != "softmax" && value != "sigmoid") return bad();
+    f->moe.score_function = value;
+  }
   if (flag == "--num-query-groups")  // as many groups as heads: Megatron's multi-head attention
     f->group_query_attention = f->num_query_groups != m->num_attention_heads;
   if (flag == "--normalization") {
@@ -273,6 +287,7 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
     const std::optional<std::string> given = GivenValue(app, *f, flag);
     auto it = ckpt.find(flag);
     if (it == ckpt.end()) {
+      if (flag.starts_with("--moe-") || flag == "--num-experts") continue;  // a dense model's checkpoint
       if (!given && IsRequired(flag))
         return UsageError(
             fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: give it",

@@ -101,8 +101,6 @@ constexpr ModelRefusal kModelRefusals[] = {
     {"--apply-residual-connection-post-layernorm", false,
      "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
     {"--multi-latent-attention", false, "multi-latent attention is not implemented"},
-    {"--num-experts", true, "mixture of experts is not implemented; ptk's MLP is dense"},
-    {"--moe-router-topk", true, "mixture of experts is not implemented; ptk's MLP is dense"},
     {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "

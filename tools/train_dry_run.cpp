@@ -17,6 +17,9 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   // The checks of a real run on a copy that one process on this machine can pass: the plan is of
   // another machine's run (its GPUs, its files).
   PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(flags));
+  PTK_RETURN_IF_ERROR(RefuseMoeParallelism(flags));  // a plan ptk-train would refuse to run
+  PTK_RETURN_IF_ERROR(
+      RefuseMoeDevice(flags, flags.device == "cuda" || flags.bf16 || flags.fp16 ? Device::kCuda : Device::kCpu));
   TrainFlags f = flags;
   f.tensor_model_parallel_size = f.pipeline_model_parallel_size = f.context_parallel_size = 1;
   f.num_layers_per_virtual_pipeline_stage.reset();

@@ -59,6 +59,13 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--qk-layernorm",
     "--squared-relu",
     "--apply-layernorm-1p",
+    // A mixture-of-experts checkpoint's (a dense one records none of them).
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-ffn-hidden-size",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function",
+    "--moe-layer-freq",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
 // one the command line gives. The others (Megatron's shape flags, which it takes only where the
@@ -75,6 +82,12 @@ inline constexpr const char* kCheckpointForcedFlags[] = {
     "--disable-bias-linear",
     "--add-qkv-bias",
     "--apply-layernorm-1p",
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-ffn-hidden-size",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function",
+    "--moe-layer-freq",
 };
 
 // Megatron's flags for other models than ptk's, each declared to be refused by RefuseOtherModel

@@ -68,6 +68,7 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
                   "selective (as --recompute-activations); full is taken as selective, with a note (the same "
                   "results; memory only)");
   AddLlamaFlags(app, f);
+  AddMoeFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }
 

@@ -84,6 +84,16 @@ struct TrainFlags {
        disable_bias_linear = false;
   int64_t num_query_groups = 1;
   std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
+  // Megatron's mixture of experts (moe_flags.cpp).
+  struct Moe {
+    int64_t num_experts = 0;  // 0: no --num-experts
+    std::optional<int64_t> topk, ffn;
+    std::vector<double> aux_loss_coeff;
+    std::vector<std::string> load_balancing_type;
+    std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
+    bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
+    int64_t expert_parallel = 1;
+  } moe;
   // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
   // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch groups.
@@ -96,6 +106,13 @@ void AddTrainFlags(CLI::App* app, TrainFlags* flags);
 // What ptk-train says of a launcher's flag given to it (--rank, --world-size, torchrun's --nproc-per-node,
 // ...): where it takes that from instead (cli::Parse's hints).
 cli::UnknownFlagHints LauncherFlagHints();
+// Megatron's mixture-of-experts flags (moe_flags.cpp), added by AddTrainFlags; their settings into
+// `model` (a usage error naming the flag for a feature ptk has not); the parallelism (tensor, pipeline,
+// context, expert) and the device (CUDA) ptk's MoE layers do not run with yet, refused naming them.
+void AddMoeFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveMoeFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+absl::Status RefuseMoeParallelism(const TrainFlags& flags);
+absl::Status RefuseMoeDevice(const TrainFlags& flags, Device device);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

@@ -21,6 +21,9 @@ struct Group {
 };
 // clang-format off
 constexpr Group kGroups[] = {
+    {false, "ptk writes no per-layer MoE values (Megatron writes them to TensorBoard and W&B only); the iteration line "
+            "has load_balancing_loss",
+     "--moe-per-layer-logging"},
     {false, "this log or monitor is not kept here: ptk logs Megatron's iteration line, metrics.jsonl and the TensorBoard scalars",
      "--app-tag-run-name= --app-tag-run-version= --config-logger-dir= "
      "--disable-log-loss-scale-to-tensorboard --disable-straggler-on-startup --log-device-memory-used "
@@ -129,20 +132,22 @@ constexpr Group kGroups[] = {
      "--sgd-momentum="},
     {false, "no tokenizer model is read from the checkpoint (ptk-train reads GPT-2 BPE data)",
      "--disable-use-tokenizer-model-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args"},
-    {true, "mixture of experts is not implemented; ptk's MLP is dense",
-     "--ep-overlap-early-attn-memory-release --expert-model-parallel-size= "
-     "--expert-tensor-parallel-size= --moe-apply-probs-on-input --moe-aux-loss-coeff=+ "
+    {true, "this mixture-of-experts feature is not implemented: ptk's MoE is dropless top-k routing with softmax "
+           "scores (no capacity, expert bias, z-loss, jitter, groups or scaling), SequentialMLP experts without "
+           "shared experts, aux_loss or none, one expert-parallel rank",
+     "--ep-overlap-early-attn-memory-release "
+     "--expert-tensor-parallel-size= --moe-apply-probs-on-input "
      "--moe-deepep-num-sms= --moe-enable-deepep --moe-enable-routing-replay "
-     "--moe-expert-capacity-factor= --moe-extended-tp --moe-ffn-hidden-size= "
-     "--moe-flex-dispatcher-backend= --moe-grouped-gemm --moe-hybridep-num-sms= "
-     "--moe-input-jitter-eps= --moe-latent-size= --moe-layer-freq= --moe-layer-recompute "
+     "--moe-expert-capacity-factor= --moe-extended-tp "
+     "--moe-flex-dispatcher-backend= --moe-hybridep-num-sms= "
+     "--moe-input-jitter-eps= --moe-latent-size= --moe-layer-recompute "
      "--moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference "
-     "--moe-per-layer-logging --moe-permute-fusion --moe-router-bias-update-rate= --moe-router-dtype= "
+     "--moe-router-bias-update-rate= "
      "--moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion "
-     "--moe-router-group-topk= --moe-router-load-balancing-type=+ --moe-router-num-groups= "
-     "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization --moe-router-pre-softmax "
-     "--moe-router-score-function= --moe-router-topk-scaling-factor= --moe-shared-expert-gate "
-     "--moe-shared-expert-intermediate-size= --moe-shared-expert-overlap --moe-token-dispatcher-type= "
+     "--moe-router-group-topk= --moe-router-num-groups= "
+     "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "
+     "--moe-router-topk-scaling-factor= --moe-shared-expert-gate "
+     "--moe-shared-expert-intermediate-size= --moe-shared-expert-overlap "
      "--moe-token-drop-policy= --moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
      "--moe-use-upcycling --moe-z-loss-coeff= --overlap-moe-expert-parallel-comm "
      "--use-fused-weighted-squared-relu"},

@@ -153,6 +153,16 @@ std::string ModelJson(const GPTConfig& c) {
   if (c.squared_relu) w.Field("squared_relu", true);
   if (c.gelu_exact) w.Field("bias_gelu_fusion", false);  // Megatron's unfused GELU MLP: the exact erf GELU
   if (c.apply_layernorm_1p) w.Field("apply_layernorm_1p", true);
+  if (c.moe()) {  // the experts' architecture (the load-balancing loss's coefficient is a training setting)
+    std::string layers;
+    for (int64_t l = 0; l < c.num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "", c.moe_layer(l) ? 1 : 0);
+    w.Field("num_experts", c.num_experts)
+        .Field("moe_router_topk", c.moe_router_topk)
+        .Field("moe_ffn_hidden_size", c.moe_ffn())
+        .Field("moe_router_pre_softmax", c.moe_router_pre_softmax)
+        .Field("moe_router_score_function", std::string(c.moe_router_sigmoid ? "sigmoid" : "softmax"))
+        .Field("moe_layer_freq", "[" + layers + "]");
+  }
   return w.EndObject().str();
 }
 

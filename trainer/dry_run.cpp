@@ -115,7 +115,13 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
   // a·kv each, K and V G·kv each), GELU's and fc2's inputs (2sbF; SwiGLU's [gate; up] and fc2's
   // input 3sbF) ...
   const double q = a * static_cast<double>(c.head_dim()), kv = static_cast<double>(c.query_groups() * c.head_dim());
-  double inside = v * (s * b * (2 * q + 2 * kv) + (c.swiglu ? 3 : 2) * s * b * f);
+  double mlp = (c.swiglu ? 3 : 2) * s * b * f;
+  if (c.moe()) {  // the MoE layers' experts see each token k times (the layers' mean)
+    const double moe = static_cast<double>(c.moe_router_topk) * (c.swiglu ? 3 : 2) * s * b * c.moe_ffn(),
+                 share = static_cast<double>(c.moe_layers()) / static_cast<double>(c.num_layers);
+    mlp = share * moe + (1 - share) * mlp;
+  }
+  double inside = v * (s * b * (2 * q + 2 * kv) + mlp);
   // ... and the attention core: softmax output and dropout output (2as²b values), dropout mask (as²b).
   if (!selective_recompute) inside += (2 * v + 1) * a * s * s * b;
   return (sequence_parallel && tensor > 1 ? outside / t : outside) + inside / t;

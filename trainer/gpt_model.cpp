@@ -117,6 +117,7 @@ absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double l
   PTK_ASSIGN_OR_RETURN(const LossSum s, ForwardBackward(batch, loss_scale, train, seed));
   deferred_.loss_sum += s.loss_sum;
   deferred_.tokens += s.tokens;
+  deferred_.load_balancing_loss += s.load_balancing_loss;
   return absl::OkStatus();
 }
 
@@ -204,6 +205,7 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
   if (!defer_loss) return l;
   deferred_.loss_sum += l.loss_sum;
   deferred_.tokens += l.tokens;
+  deferred_.load_balancing_loss += l.load_balancing_loss;
   return LossSum{};
 }
 

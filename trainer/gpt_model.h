@@ -37,6 +37,9 @@ struct ModelBatch {
 struct LossSum {
   double loss_sum = 0;  // sum over tokens of loss * loss_mask
   double tokens = 0;    // sum of loss_mask
+  // Training passes with a load-balancing loss (GPTConfig::moe_aux_loss_coeff > 0): the sum over the
+  // mixture-of-experts layers of each one's loss without its coefficient (what Megatron's tracker adds).
+  double load_balancing_loss = 0;
 };
 
 enum class Device { kCpu, kCuda };
@@ -106,6 +109,10 @@ class GPTModel {
   absl::Status InitWeights(uint64_t seed);
 
   virtual absl::Status ZeroGrads() = 0;
+  // Mixture of experts: the weight of each layer's load-balancing loss in the gradients of the next
+  // training passes, beside its coefficient (Megatron's MoEAuxLossAutoScaler scale: the loss scale over
+  // the micro-batches, here also over the data ranks, whose gradients TrainStep sums). Default 1.
+  void SetMoeAuxLossScale(double scale) { moe_aux_loss_scale_ = scale; }
   // Forward and backward of one micro-batch: returns the masked loss sum and token count, and adds
   // d(loss_scale * sum(loss * mask)) to the fp32 gradients. `train` applies dropout (keyed by seed).
   virtual absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
@@ -299,6 +306,7 @@ class GPTModel {
                                              : layout_.chunk_first_layer[static_cast<size_t>(l / n)] + l % n;
   }
   int chunk_ = 0;
+  double moe_aux_loss_scale_ = 1.0;  // SetMoeAuxLossScale
 
   ParamLayout layout_;
   std::optional<ParamShard> shard_;

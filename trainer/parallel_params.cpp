@@ -92,6 +92,11 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
                         + h * ffn / t + bias * h;                     // row-parallel fc2, bias whole
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
+  if (c.moe()) {  // one tensor rank, one stage (ptk-train refuses more): each MoE layer's router and experts
+    PTK_CHECK(tensor == 1 && pipeline == 1 && layers_on_stage == c.num_layers);
+    n -= c.moe_layers() * (fc1 * h + h * ffn);  // the dense MLP they hold instead (no biases with experts)
+    n += c.moe_layers() * (c.num_experts * h + c.num_experts * c.expert_floats());
+  }
   const bool first = stage == 0, last = stage == pipeline - 1;
   if (first) n += vocab_slice;
   if (first && c.position_embedding == PositionEmbedding::kLearnedAbsolute) n += c.max_position_embeddings * h;

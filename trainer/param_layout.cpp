@@ -66,6 +66,28 @@ absl::Status GPTConfig::Validate() const {
   if (!(embedding_init_method_std >= 0 && embedding_init_method_std <= kGptConfigMaxInitMethodStd))
     return bad(fmt::format("embedding_init_method_std {}: must be in (0, {}] (0: init_method_std's)",
                            embedding_init_method_std, kGptConfigMaxInitMethodStd));
+  return ValidateMoe();
+}
+
+absl::Status GPTConfig::ValidateMoe() const {
+  auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
+  if (num_experts < 0) return bad(fmt::format("num_experts {}: must be at least 1 (or 0: a dense MLP)", num_experts));
+  if (!moe()) return absl::OkStatus();
+  if (moe_router_topk < 1 || moe_router_topk > num_experts)
+    return bad(fmt::format("moe_router_topk {}: must be in [1, num_experts {}]", moe_router_topk, num_experts));
+  if (moe_ffn_hidden_size < 0)
+    return bad(fmt::format("moe_ffn_hidden_size {}: must be at least 1 (or 0: ffn_hidden_size)", moe_ffn_hidden_size));
+  if (!(moe_aux_loss_coeff >= 0 && std::isfinite(moe_aux_loss_coeff)))
+    return bad(fmt::format("moe_aux_loss_coeff {}: must be at least 0", moe_aux_loss_coeff));
+  if (!moe_layer_pattern.empty() && static_cast<int64_t>(moe_layer_pattern.size()) != num_layers)
+    return bad(fmt::format("moe_layer_freq has {} entries for num_layers {}: one per layer", moe_layer_pattern.size(),
+                           num_layers));
+  for (int v : moe_layer_pattern)
+    if (v != 0 && v != 1) return bad(fmt::format("moe_layer_freq entry {}: each is 0 (dense) or 1 (experts)", v));
+  if (add_bias_linear)
+    return bad(
+        "num_experts with add_bias_linear: the mixture-of-experts layers are implemented without biases "
+        "(disable_bias_linear)");
   return absl::OkStatus();
 }
 
@@ -156,6 +178,15 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
                             {&lp.fc2_w, w.fc2_w},
                             {&lp.fc2_b, w.fc2_b}})
       *to = take(from);
+    lp.router_w = take(w.router_w);
+    if (w.experts >= 0) {  // each expert's fc1 and fc2, in order
+      const int64_t ef = whole.config.expert_floats(), f1 = ef - whole.config.hidden_size * whole.config.moe_ffn();
+      for (int64_t j = 0; j < whole.config.num_experts; ++j) {
+        const int64_t at = take(w.experts + j * ef);
+        if (j == 0) lp.experts = at;
+        take(w.experts + j * ef + f1);
+      }
+    }
     s.layers.push_back(lp);
   }
   if (s.post_process) {
@@ -184,6 +215,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(
         fmt::format("--num-attention-heads ({}) must be a multiple of --tensor-model-parallel-size ({})",
                     config.num_attention_heads, tensor_size));
+  if (config.moe() && tensor_size > 1)
+    return absl::InvalidArgumentError(fmt::format(
+        "--num-experts {} with --tensor-model-parallel-size {}: the mixture-of-experts layers run on one tensor rank",
+        config.num_experts, tensor_size));
   if (config.ffn_hidden_size % tensor_size != 0)
     return absl::InvalidArgumentError(
         fmt::format("--ffn-hidden-size ({}) must be a multiple of --tensor-model-parallel-size ({})",
@@ -271,6 +306,19 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, one);
     lp.ln2_b = add_if(ln, p + "pre_mlp_layernorm.bias", std::vector<int64_t>{c}, 0.0);
+    if (config.moe_layer(l)) {  // Megatron's MoELayer: its router, then SequentialMLP's experts
+      const int64_t fm = config.moe_ffn(), fm1 = (config.swiglu ? 2 : 1) * fm;
+      lp.router_w = add(p + "mlp.router.weight", {config.num_experts, c}, std);
+      for (int64_t j = 0; j < config.num_experts; ++j) {
+        const std::string e = fmt::format("{}mlp.experts.local_experts.{}.", p, j);
+        const int64_t at = add(e + "linear_fc1.weight", {fm1, c}, std);
+        if (j == 0) lp.experts = at;
+        add(e + "linear_fc2.weight", {c, fm}, out_std);
+      }
+      lp.fc1_w = lp.fc1_b = lp.fc2_w = lp.fc2_b = -1;
+      m.layers.push_back(lp);
+      continue;
+    }
     lp.fc1_w = add(p + "mlp.linear_fc1.weight", {fc1_t, c}, std, 0.0f, 0, fc1_chunks);
     lp.fc1_b = add_if(bias, p + "mlp.linear_fc1.bias", std::vector<int64_t>{fc1_t}, 0.0, 0.0f, 0, fc1_chunks);
     lp.fc2_w = add(p + "mlp.linear_fc2.weight", {c, ft}, out_std, 0.0f, 1);

@@ -73,8 +73,35 @@ struct GPTConfig {
   // xavier_uniform a value other than init_method_std draws the embeddings from this normal, as megatron-core's
   // __post_init__ does; the same value keeps them uniform. The output layer's init is init_method_std's either way.
   double embedding_init_method_std = 0;
+  // Megatron's mixture of experts (--num-experts; 0: every MLP dense): in each MoE layer
+  // (moe_layer_pattern: one 0/1 entry per layer, empty for every layer) a router (num_experts x
+  // hidden, no bias) sends each token to its moe_router_topk experts, each an MLP of the dense one's
+  // activation with moe_ffn_hidden_size (0: ffn_hidden_size) and no biases (trainer/cpu/moe_cpu.h).
+  // moe_router_pre_softmax: the probabilities are the softmax over all experts' logits, not over the
+  // chosen ones'. moe_aux_loss_coeff: the switch load-balancing loss's weight (0: none).
+  int64_t num_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;
+  bool moe_router_pre_softmax = false;
+  // --moe-router-score-function sigmoid (softmax otherwise; pre_softmax is then not read, as Megatron).
+  bool moe_router_sigmoid = false;
+  double moe_aux_loss_coeff = 0;
+  std::vector<int> moe_layer_pattern;
 
   absl::Status Validate() const;
+  absl::Status ValidateMoe() const;  // the mixture-of-experts settings (Validate's last part)
+  bool moe() const { return num_experts > 0; }
+  bool moe_layer(int64_t l) const {
+    return moe() && (moe_layer_pattern.empty() || moe_layer_pattern[static_cast<size_t>(l)] != 0);
+  }
+  int64_t moe_layers() const {
+    int64_t k = 0;
+    for (int64_t l = 0; l < num_layers; ++l) k += moe_layer(l) ? 1 : 0;
+    return k;
+  }
+  int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden_size; }
+  // One expert's floats: fc1 (2 x moe_ffn() rows under SwiGLU, x hidden) and fc2 (hidden x moe_ffn()).
+  int64_t expert_floats() const { return ((swiglu ? 2 : 1) + 1) * moe_ffn() * hidden_size; }
   // What each norm's weight adds to its input's normalised value: 1 under apply_layernorm_1p.
   float norm_weight_offset() const { return apply_layernorm_1p ? 1.0f : 0.0f; }
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
@@ -149,6 +176,9 @@ PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank, int vi
 struct LayerParams {
   int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
   int64_t q_norm_w = -1, q_norm_b = -1, k_norm_w = -1, k_norm_b = -1;
+  // A mixture-of-experts layer (GPTConfig::moe_layer; fc1 and fc2 are then -1): the router's weight,
+  // and the experts' weights (expert j's fc1 then fc2 at experts + j x GPTConfig::expert_floats()).
+  int64_t router_w = -1, experts = -1;
 };
 
 // Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by

@@ -123,6 +123,21 @@ Settings ModelSettings(const GPTConfig& m, int64_t make_vocab_size_divisible_by)
   };
 }
 
+// Mixture of experts' (only with experts: a dense run's settings read as before).
+Settings MoeSettingsOf(const GPTConfig& m) {
+  std::string layers;
+  for (int64_t l = 0; l < m.num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "[", m.moe_layer(l) ? 1 : 0);
+  return {
+      {"--num-experts", std::to_string(m.num_experts)},
+      {"--moe-router-topk", std::to_string(m.moe_router_topk)},
+      {"--moe-ffn-hidden-size", std::to_string(m.moe_ffn())},
+      {"--moe-router-pre-softmax", m.moe_router_pre_softmax ? "on" : "off"},
+      {"--moe-router-score-function", m.moe_router_sigmoid ? "sigmoid" : "softmax"},
+      {"--moe-aux-loss-coeff", Num(m.moe_aux_loss_coeff)},
+      {"--moe-layer-freq", layers + "]"},
+  };
+}
+
 // The parallel layout's and the batch's.
 Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
   return {
@@ -267,6 +282,10 @@ Settings DataAndRunSettings(const TrainOptions& o) {
 // each setting under its Megatron flag name, resolved (the global batch size as used).
 Settings RunSettings(const TrainOptions& o, int64_t gbs) {
   Settings all = ModelSettings(o.model, o.make_vocab_size_divisible_by);
+  if (o.model.moe()) {
+    const Settings moe = MoeSettingsOf(o.model);
+    all.insert(all.end(), moe.begin(), moe.end());
+  }
   for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})
     all.insert(all.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   return all;

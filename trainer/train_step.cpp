@@ -81,7 +81,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-backward", 1));
-  double local[2] = {0, 0};
+  double local[3] = {0, 0, 0};
   const bool overlap = !buckets_.empty();
   PTK_ASSIGN_OR_RETURN(const std::vector<double> scale_of, LossScales(micro_batches));
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
@@ -98,12 +98,20 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
                                  : ForwardBackwardMicroBatches(micro_batches, scale_of, r.loss_scale, seed));
   local[0] = losses.loss_sum;
   local[1] = losses.tokens;
+  local[2] = losses.load_balancing_loss;
   PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
-  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
+  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 3));
   // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
   if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
+  // Megatron's track_moe_metrics: each layer's sum over the micro-batches over their number,
+  // averaged over the data ranks, the layers' sum over the MoE layers.
+  if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_aux_loss_coeff > 0) {
+    const int context = context_ ? context_->size() : 1;
+    r.load_balancing_loss = local[2] / (static_cast<double>(micro_batches.size()) * (comm_->size() / context) *
+                                        static_cast<double>(cf.moe_layers()));
+  }
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
   PTK_RETURN_IF_ERROR(MeasureGrads(&r));
   return r;
@@ -143,6 +151,7 @@ absl::StatusOr<LossSum> TrainStep::ForwardBackwardMicroBatches(const std::vector
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
     const bool arm = !buckets_.empty() && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
+    model_->SetMoeAuxLossScale(MoeAuxLossScale(mb, scale, loss_scale, micro_batches.size()));
     // The losses are read once, after the last micro-batch (TakeLosses).
     absl::Status s = model_->ForwardBackwardDeferred(mb, scale * loss_scale, /*train=*/true, seed);
     if (arm) {
@@ -183,6 +192,16 @@ absl::Status TrainStep::MeasureGrads(StepResult* r) {
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-count-zeros"));
   }
   return absl::OkStatus();
+}
+
+// Megatron's MoEAuxLossAutoScaler scale (schedules.py sets it per micro-batch): the loss scale over the
+// micro-batches, the gradients then averaged over the data ranks (here summed: over them too); with
+// --calculate-per-token-loss the loss scale and the micro-batch's tokens (the router's, padding too) over
+// the global batch's loss tokens (`scale`, finalize_model_grads' division).
+double TrainStep::MoeAuxLossScale(const ModelBatch& mb, double scale, double loss_scale, size_t num_micro) const {
+  if (config_.calculate_per_token_loss) return loss_scale * static_cast<double>(mb.b * mb.t) * scale;
+  const int context = context_ ? context_->size() : 1;
+  return loss_scale / (static_cast<double>(num_micro) * (comm_->size() / context));
 }
 
 // Megatron (megatron-core's forward_step_calc_loss, then the data x context reduction scaled by

@@ -80,6 +80,9 @@ struct StepResult {
   // --log-num-zeros-in-grad (Megatron's count_zeros_fp32): zeros among the reduced gradients, when
   // the step was asked to count them and was not skipped.
   std::optional<double> num_zeros_in_grad;
+  // Mixture of experts with a load-balancing loss: Megatron's logged load_balancing_loss (the layers'
+  // mean of each one's loss without its coefficient, over the micro-batches and data ranks); 0 otherwise.
+  double load_balancing_loss = 0;
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 
@@ -184,6 +187,7 @@ class TrainStep {
   // Each micro-batch's loss scale (before the loss scaler's): 1 / (its tokens on this rank × micro-batches
   // × data ranks × context ranks), or with --calculate-per-token-loss 1 / the global batch's tokens.
   absl::StatusOr<std::vector<double>> LossScales(const std::vector<ModelBatch>& micro_batches);
+  double MoeAuxLossScale(const ModelBatch& mb, double scale, double loss_scale, size_t num_micro) const;
   int microbatch_group_size_ = 0;
   PipelineStats pipeline_stats_;
   int64_t adam_step_ = 0;

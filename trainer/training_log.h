@@ -157,6 +157,9 @@ class LogInterval {
   int pauses_ = 0;             // open Pause calls
   int64_t iters_ = 0, advanced_ = 0, skipped_ = 0, nan_ = 0;
   double loss_ = 0;  // over the iterations that advanced
+  // Mixture of experts: the iterations' load_balancing_loss, each added (as Megatron's total_loss_dict), the
+  // sum shown over the iterations that advanced.
+  double load_balancing_ = 0;
 };
 
 // Pauses a LogInterval's clock for its lifetime.

@@ -207,7 +207,11 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
       {"WORLD_SIZE=8",
        "--num-attention-heads 32 --tensor-model-parallel-size 8 --group-query-attention --num-query-groups 4",
        "usage error: --num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"},
-      {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8", "usage error: --num-experts 8: mixture of experts"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8",
+       "usage error: --num-experts without --disable-bias-linear: ptk's MoE layers have no biases"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --tensor-model-parallel-size 2",
+       "usage error: --num-experts 8 with --tensor-model-parallel-size 2: ptk's mixture-of-experts layers run with "
+       "data parallelism only"},
   };
   for (const Case& c : cases) {
     auto r = RunCmd(c.env + " " + model + " " + c.flags);

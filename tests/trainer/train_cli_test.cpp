@@ -1244,12 +1244,13 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
       4));
   EXPECT_EQ(qwen.exit_code, 0) << qwen.output;
   EXPECT_NE(qwen.output.find("iteration        4/       4"), std::string::npos) << qwen.output;
-  auto twice = RunCmd(Train("--apply-residual-connection-post-layernorm --num-experts 8 --multi-latent-attention", 1));
+  auto twice =
+      RunCmd(Train("--apply-residual-connection-post-layernorm --moe-z-loss-coeff 0.1 --multi-latent-attention", 1));
   EXPECT_EQ(twice.exit_code, 2) << twice.output;
   EXPECT_NE(twice.output.find("usage error: --apply-residual-connection-post-layernorm: the residual is taken before"),
             std::string::npos)
       << twice.output;
-  EXPECT_NE(twice.output.find("also not implemented here: --multi-latent-attention, --num-experts 8"),
+  EXPECT_NE(twice.output.find("also not implemented here: --multi-latent-attention, --moe-z-loss-coeff 0.1"),
             std::string::npos)
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
@@ -1260,7 +1261,7 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
            {"--group-query-attention --num-query-groups 3",
             "--num-query-groups 3 does not divide --num-attention-heads 4"},
            {"--position-embedding-type rope --kv-channels 3", "--rotary-percent 1 of head dimension 3 rotates 3"},
-           {"--num-experts 8", "mixture of experts is not implemented"},
+           {"--num-experts 8", "--num-experts without --disable-bias-linear: ptk's MoE layers have no biases"},
            {"--tokenizer-model tok.model", "reads GPT-2 BPE data"}}) {
     auto r = RunCmd(Train(flag, 1));
     EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.output;

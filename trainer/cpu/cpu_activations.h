@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/moe_cpu.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk {
@@ -30,6 +31,8 @@ struct CpuGPTModel::Activations {
   // Context parallelism: the context ranks' qkv rows as gathered (rank by rank), then in the whole
   // samples' order; this rank's queries' share of the keys' and values' gradients, whole samples.
   std::vector<float> cp_gather, cp_qkv, cp_dqkv;
+  // Mixture-of-experts layers' routing and expert activations (empty for a dense layer).
+  std::vector<cpu::MoeActivations<float>> moe;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };

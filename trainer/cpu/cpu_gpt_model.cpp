@@ -283,6 +283,12 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::cp_gather, nw * qkv);
   put(&Activations::cp_qkv, nw * qkv);
   put(&Activations::cp_dqkv, nw * qkv);
+  if (a != nullptr) a->moe.assign(static_cast<size_t>(L), {});
+  for (int64_t l = l0; l < std::min(l1, L); ++l)  // what MoeActivations holds after a pass (moe_cpu.cpp's sizes)
+    if (layout.layers[static_cast<size_t>(l)].router_w >= 0) {
+      const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn(), fm1 = (cf.swiglu ? 2 : 1) * fm;
+      floats += 3 * n * E + 4 * n * K + E + 1 + n * K * (4 * c + 2 * fm1 + 3 * fm);  // integers counted as floats
+    }
   if (a != nullptr) {
     a->targets.assign(static_cast<size_t>(n), 0);
     a->streams.assign(static_cast<size_t>(b), 0);
@@ -310,6 +316,12 @@ int64_t CpuGPTModel::ActivationFloats() const {
         &a.dloss,     &a.tmp,      &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,       &a.dqkv,   &a.datt,
         &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads, &a.cp_gather, &a.cp_qkv, &a.cp_dqkv})
     floats += static_cast<int64_t>(v->size());
+  for (const cpu::MoeActivations<float>& m : a.moe) {
+    for (const auto* v : {&m.logits, &m.scores, &m.prob, &m.x, &m.fc1, &m.act, &m.scaled, &m.out, &m.dout, &m.dact,
+                          &m.dfc1, &m.dx, &m.dprob, &m.dlogits})
+      floats += static_cast<int64_t>(v->size());
+    floats += static_cast<int64_t>(m.expert.size() + m.order.size() + m.begin.size());
+  }
   return floats;
 }
 

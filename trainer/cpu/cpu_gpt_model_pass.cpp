@@ -144,9 +144,14 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, n, c);
-    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c, (cf.swiglu ? 2 : 1) * f);
-    MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
-    PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
+    if (lp.router_w >= 0) {  // a mixture-of-experts layer
+      MoeMlpForward(l, lp, n, train);
+    } else {
+      cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c,
+                         (cf.swiglu ? 2 : 1) * f);
+      MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
+      PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
+    }
     DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
@@ -213,14 +218,18 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
-    float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
-    std::fill(dact, dact + n * f, 0.0f);
-    cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
-    MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
-    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c,
-                        (cf.swiglu ? 2 : 1) * f);
-    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel fc1: its input gradient summed
+    if (lp.router_w >= 0) {  // a mixture-of-experts layer
+      MoeMlpBackward(l, lp, train);
+    } else {
+      float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
+      std::fill(dact, dact + n * f, 0.0f);
+      cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+      MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
+      std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+      cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n,
+                          c, (cf.swiglu ? 2 : 1) * f);
+      PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel fc1: its input gradient summed
+    }
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid_mid[l].data(), P, lp.ln2_w, lp.ln2_b,
                  a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
@@ -273,12 +282,14 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   PTK_RETURN_IF_ERROR(Prepare(batch));
   bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  moe_aux_sum_ = 0;
   PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t;
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
+  s.load_balancing_loss = moe_aux_sum_;
   PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
   return s;
 }

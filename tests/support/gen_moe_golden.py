@@ -1,0 +1,183 @@
+"""Writes tests/data/trainer/moe_NAME.{json,bin}: megatron-core's own mixture-of-experts GPT trained on
+the CPU, the golden of ptk's CPU MoE layers (tests/trainer/moe_model_golden_test.cpp).
+
+megatron-core 0.16.1 (/opt/ptk-pyref) builds a tiny GPTModel from its local (non-TE) spec with MoE layers
+(get_gpt_layer_local_spec(num_experts=E): TopKRouter, the allgather token dispatcher (the alltoall one makes CUDA streams; at one rank both permute alike), SequentialMLP
+experts), no biases (--disable-bias-linear), fp32, no dropout, on one gloo rank with the CUDA calls
+pointed at the CPU (make_torch_dist_distopt_fixture.cpu_shims). It is wrapped in megatron-core's
+DistributedDataParallel and stepped by its optimizer (get_megatron_optimizer: Adam with decoupled weight
+decay, clipping) and OptimizerParamScheduler, each micro-batch's loss the masked mean over its tokens
+divided by the number of micro-batches, with MoEAuxLossAutoScaler's scale set to 1 / micro-batches,
+as megatron-core's schedules do. Written: the initial weights (init:NAME), the first step's gradients
+(grad:NAME, the DDP buffer's main_grad before the update), the weights after the last step
+(final:NAME), and per step the lm loss, the grad norm and load_balancing_loss as Megatron-LM's
+training_log computes it (the tracker's per-layer sums x 1 / micro-batches, summed over the layers, over
+the MoE layers).
+
+Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_moe_golden.py tests/data/trainer
+"""
+import json
+import os
+import struct
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
+
+STEPS = 3
+COMMON = dict(num_layers=3, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, seq_length=8,
+              max_position_embeddings=8, vocab_size=40, padded_vocab_size=40, micro_batch_size=2,
+              num_micro_batches=2, lr=1e-2, min_lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, num_experts=4, moe_router_score_function="softmax",
+              calculate_per_token_loss=False)
+GOLDENS = {
+    # GELU experts (torch's exact GELU without biases), top-2 of 4, softmax after top-k, layers MoE, dense, MoE.
+    "moe_gelu": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                     moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1]),
+    # SwiGLU experts, top-3 of 4, softmax before top-k, every layer MoE, the experts' ffn the dense one's.
+    "moe_swiglu": dict(moe_router_topk=3, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.1, swiglu=True,
+                       moe_router_pre_softmax=True, moe_layer_freq=1),
+    # GELU experts, top-2 of 4 by the sigmoid score function, layers dense, MoE, MoE.
+    "moe_sigmoid": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                        moe_router_pre_softmax=False, moe_layer_freq=[0, 1, 1], moe_router_score_function="sigmoid"),
+    # moe_gelu's model with --calculate-per-token-loss (the load-balancing loss x the micro-batch's tokens,
+    # the gradients over the global batch's loss tokens) and a quarter of the tokens masked.
+    "moe_per_token": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                          moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], calculate_per_token_loss=True),
+}
+
+
+def build(torch, g):
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    c = dict(COMMON, **g)
+    cfg = TransformerConfig(
+        num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+        ffn_hidden_size=c["ffn_hidden_size"], use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, init_method_std=c["init_method_std"], gated_linear_unit=c["swiglu"],
+        activation_func=F.silu if c["swiglu"] else F.gelu, bias_activation_fusion=False,
+        num_moe_experts=c["num_experts"], moe_router_topk=c["moe_router_topk"],
+        moe_ffn_hidden_size=c["moe_ffn_hidden_size"] or c["ffn_hidden_size"],
+        moe_aux_loss_coeff=c["moe_aux_loss_coeff"], moe_router_load_balancing_type="aux_loss",
+        moe_router_pre_softmax=c["moe_router_pre_softmax"], moe_token_dispatcher_type="allgather",
+        moe_router_score_function=c["moe_router_score_function"],
+        calculate_per_token_loss=c["calculate_per_token_loss"],
+        moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32")
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
+                   max_sequence_length=c["max_position_embeddings"], position_embedding_type="learned_absolute",
+                   share_embeddings_and_output_weights=False)
+    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=c["lr"], min_lr=c["min_lr"], weight_decay=c["weight_decay"], adam_beta1=c["adam_beta1"],
+        adam_beta2=c["adam_beta2"], adam_eps=c["adam_eps"], clip_grad=c["clip_grad"]), [model])
+    gbs = c["micro_batch_size"] * c["num_micro_batches"]
+    sched = OptimizerParamScheduler(opt, init_lr=c["lr"], max_lr=c["lr"], min_lr=c["min_lr"], lr_warmup_steps=0,
+                                    lr_decay_steps=100 * gbs, lr_decay_style="constant",
+                                    start_wd=c["weight_decay"], end_wd=c["weight_decay"], wd_incr_steps=100 * gbs,
+                                    wd_incr_style="constant")
+    return c, gpt, model, opt, sched
+
+
+def run(torch, name, g, out_dir):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+    torch.manual_seed(1234)
+    c, gpt, model, opt, sched = build(torch, g)
+    blob = bytearray()
+    tensors = {}
+
+    def put(key, t, fmt="<f"):
+        flat = t.detach().flatten().tolist()
+        tensors[key] = {"shape": list(t.shape), "offset": len(blob)}
+        blob.extend(struct.pack(f"<{len(flat)}{fmt[-1]}", *flat))
+
+    for n, p in gpt.named_parameters():
+        put("init:" + n, p.float())
+    gen = torch.Generator().manual_seed(7)
+    b, s, m = c["micro_batch_size"], c["seq_length"], c["num_micro_batches"]
+    tokens = torch.randint(0, c["vocab_size"], (STEPS * m, b, s + 1), generator=gen)
+    put("tokens", tokens[:, :, :-1].to(torch.int32), "<i")
+    put("labels", tokens[:, :, 1:].to(torch.int32), "<i")
+    per_token = c["calculate_per_token_loss"]
+    # --calculate-per-token-loss: a quarter of the tokens masked, so that its scaling (the router's tokens,
+    # padding too, over the loss's) differs from 1 / micro-batches.
+    mask = ((torch.rand(STEPS * m, b, s, generator=torch.Generator().manual_seed(11)) > 0.25).float() if per_token
+            else torch.ones(STEPS * m, b, s))
+    put("loss_mask", mask)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    moe_layers = sum(c["moe_layer_freq"]) if isinstance(c["moe_layer_freq"], list) else c["num_layers"]
+    steps = []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        clear_aux_losses_tracker()
+        lm, total = 0.0, float(mask[step * m:(step + 1) * m].sum())
+        for k in range(m):
+            x, mk = tokens[step * m + k], mask[step * m + k]
+            losses = model(x[:, :-1], pos, None, labels=x[:, 1:]).float()
+            # pretrain_gpt's loss_func and the schedule's scaling (forward_step_calc_loss, MoE's set_loss_scale).
+            loss = (losses * mk).sum() if per_token else (losses * mk).sum() / mk.sum() / m
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) if per_token else torch.ones(1) / m)
+            loss.backward()
+            lm += float(loss) / total if per_token else float(loss)
+        # Megatron-LM's finalize_model_grads: the data-parallel reduction, and with per-token loss the
+        # division by the global batch's loss tokens.
+        finalize_model_grads([model], num_tokens=torch.tensor(total) if per_token else None)
+        if step == 0:
+            for n, p in gpt.named_parameters():
+                put("grad:" + n, p.main_grad.float())
+        ok, grad_norm, _ = opt.step()
+        assert ok
+        sched.step(increment=b * m)
+        values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+        steps.append({"lm_loss": lm, "grad_norm": float(grad_norm),
+                      "load_balancing_loss": float((values * (1.0 / m)).sum() / moe_layers)})
+    for n, p in gpt.named_parameters():
+        put("final:" + n, p.float())
+    from megatron.core import package_info
+    config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
+    config["moe_ffn_hidden_size"] = c["moe_ffn_hidden_size"] or 0
+    config["moe_layer_pattern"] = (c["moe_layer_freq"] if isinstance(c["moe_layer_freq"], list)
+                                   else [1 if i % c["moe_layer_freq"] == 0 else 0 for i in range(c["num_layers"])])
+    meta = {"generator": "tests/support/gen_moe_golden.py", "megatron_core": package_info.__version__,
+            "torch": torch.__version__, "config": config, "steps": steps, "tensors": tensors,
+            "param_order": [n for n, _ in gpt.named_parameters()]}
+    with open(os.path.join(out_dir, name + ".json"), "w") as fh:
+        json.dump(meta, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    with open(os.path.join(out_dir, name + ".bin"), "wb") as fh:
+        fh.write(bytes(blob))
+    print(f"wrote {name}: {steps}", file=sys.stderr)
+
+
+def main():
+    out_dir = sys.argv[1]
+    import torch
+    import torch.distributed as dist
+    cpu_shims(torch)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        import megatron.core.tensor_parallel.random as mrandom
+        from megatron.core import parallel_state
+        mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
+        mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        if not hasattr(moe_utils, "te_general_gemm"):  # its import sits under HAVE_TE: the torch.mm path without TE
+            moe_utils.te_general_gemm = None
+        parallel_state.initialize_model_parallel(1, 1)
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        for name, g in GOLDENS.items():
+            run(torch, name, g, out_dir)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+// The CPU model's mixture-of-experts layers against megatron-core 0.16.1 itself
+// (tests/support/gen_moe_golden.py: its GPTModel with TopKRouter and SequentialMLP experts, its DDP,
+// optimizer and scheduler on the CPU): a GELU model with MoE, dense and MoE layers (top-2 of 4,
+// softmax after top-k), a SwiGLU one with every layer MoE (top-3, softmax before top-k) and a GELU one
+// routed by sigmoid scores (dense, MoE, MoE layers), and the first with --calculate-per-token-loss and a
+// quarter of the tokens masked, all with the load-balancing loss. The layout (Megatron's names,
+// shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
+// within 1e-5 relative, and three optimizer steps' losses and the weights after them.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/trainer/golden_util.h"
+#include "trainer/backend.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/gpt_model.h"
+#include "trainer/train_step.h"
+
+namespace ptk {
+namespace {
+
+using testing::Golden;
+using testing::GoldenBatches;
+using testing::RelError;
+
+class MoeGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    GPTConfig c;
+    c.num_layers = g_.Int("num_layers");
+    c.hidden_size = g_.Int("hidden_size");
+    c.num_attention_heads = g_.Int("num_attention_heads");
+    c.ffn_hidden_size = g_.Int("ffn_hidden_size");
+    c.seq_length = g_.Int("seq_length");
+    c.max_position_embeddings = g_.Int("max_position_embeddings");
+    c.vocab_size = g_.Int("vocab_size");
+    c.padded_vocab_size = g_.Int("padded_vocab_size");
+    c.init_method_std = g_.Num("init_method_std");
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+    c.swiglu = g_.meta["config"]["swiglu"].get_bool();
+    c.gelu_exact = !c.swiglu;  // Megatron's GELU MLP without biases: torch's exact GELU
+    c.hidden_dropout = c.attention_dropout = 0.0;
+    c.num_experts = g_.Int("num_experts");
+    c.moe_router_topk = g_.Int("moe_router_topk");
+    c.moe_ffn_hidden_size = g_.Int("moe_ffn_hidden_size");
+    c.moe_router_pre_softmax = g_.meta["config"]["moe_router_pre_softmax"].get_bool();
+    c.moe_aux_loss_coeff = g_.Num("moe_aux_loss_coeff");
+    c.moe_router_sigmoid = g_.meta["config"]["moe_router_score_function"].get_string().value() == "sigmoid";
+    for (auto v : g_.meta["config"]["moe_layer_pattern"].get_array()) c.moe_layer_pattern.push_back(int(int64_t(v)));
+    config_ = c;
+  }
+  std::unique_ptr<CpuGPTModel> MakeModel() {
+    auto m = CpuGPTModel::Create(config_);
+    EXPECT_TRUE(m.ok()) << m.status();
+    std::vector<float> w((*m)->num_params());
+    for (const ParamInfo& p : (*m)->params_info()) {
+      std::vector<float> t = g_.Tensor<float>("init:" + p.name);
+      EXPECT_EQ(static_cast<int64_t>(t.size()), p.size) << p.name;
+      std::copy(t.begin(), t.end(), w.begin() + p.offset);
+    }
+    EXPECT_TRUE((*m)->WriteParams(w).ok());
+    return std::move(*m);
+  }
+  SchedulerConfig Schedule() {
+    SchedulerConfig s;
+    s.init_lr = s.max_lr = g_.Num("lr");
+    s.min_lr = g_.Num("min_lr");
+    s.decay_steps = 100 * GlobalBatch();
+    s.decay_style = "constant";
+    s.start_wd = s.end_wd = g_.Num("weight_decay");
+    return s;
+  }
+  OptimizerConfig Optimizer() {
+    OptimizerConfig o = g_.Optimizer();
+    o.calculate_per_token_loss = g_.meta["config"]["calculate_per_token_loss"].get_bool();
+    return o;
+  }
+  int64_t GlobalBatch() { return g_.Int("micro_batch_size") * g_.Int("num_micro_batches"); }
+  double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
+
+  Golden g_{GetParam()};
+  GoldenBatches batches_{g_};
+  GPTConfig config_;
+};
+
+TEST_P(MoeGolden, TheLayoutIsMegatronCores) {
+  auto layout = ParamLayout::Create(config_);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  // Every tensor megatron-core has, of its shape, and no other.
+  EXPECT_EQ(layout->infos.size(), g_.meta["param_order"].get_array().size());
+  std::vector<std::string> mlp;  // megatron-core's order of the MLP parameters
+  for (auto e : g_.meta["param_order"].get_array()) {
+    const std::string name(e.get_string().value());
+    const ParamInfo* p = layout->Find(name);
+    ASSERT_NE(p, nullptr) << name;
+    std::vector<int64_t> shape;
+    for (auto d : g_.meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
+    EXPECT_EQ(p->shape, shape) << name;
+    if (name.find(".mlp.") != std::string::npos) mlp.push_back(name);
+  }
+  std::vector<std::string> mine;
+  for (const ParamInfo& p : layout->infos)
+    if (p.name.find(".mlp.") != std::string::npos) mine.push_back(p.name);
+  EXPECT_EQ(mine, mlp);
+  for (int64_t l = 0; l < config_.num_layers; ++l)
+    EXPECT_EQ(layout->layers[l].router_w >= 0, config_.moe_layer(l)) << "layer " << l;
+}
+
+TEST_P(MoeGolden, TheFirstStepsGradientsMatchMegatron) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  auto r = step.ComputeGradients(batches_.Step(0), 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LE(std::abs(r->lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
+  EXPECT_LE(std::abs(r->grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
+  EXPECT_LE(std::abs(r->load_balancing_loss - Want(0, "load_balancing_loss")), 1e-6);
+  double worst = 0;
+  for (const ParamInfo& p : model->params_info()) {
+    const double e = RelError(model->grads() + p.offset, g_.Tensor<float>("grad:" + p.name));
+    EXPECT_LE(e, 1e-5) << p.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("loss %.9g (megatron %.9g), load_balancing_loss %.9g (megatron %.9g), largest gradient difference %.3g\n",
+              r->lm_loss(), Want(0, "lm_loss"), r->load_balancing_loss, Want(0, "load_balancing_loss"), worst);
+}
+
+// Without the load-balancing loss's gradient the router's gradients differ from Megatron's: the
+// comparison above sees it.
+TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
+  GPTConfig no_aux = config_;
+  no_aux.moe_aux_loss_coeff = 0;
+  config_ = no_aux;
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  auto r = step.ComputeGradients(batches_.Step(0), 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->load_balancing_loss, 0.0);  // Megatron logs none without a coefficient
+  int64_t first = 0;                       // the first MoE layer
+  while (!config_.moe_layer(first)) ++first;
+  const ParamInfo* router = model->FindParam(fmt::format("decoder.layers.{}.mlp.router.weight", first));
+  ASSERT_NE(router, nullptr);
+  EXPECT_GT(RelError(model->grads() + router->offset, g_.Tensor<float>("grad:" + router->name)), 1e-3);
+}
+
+TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  const int64_t steps = static_cast<int64_t>(g_.meta["steps"].get_array().size());
+  for (int64_t s = 0; s < steps; ++s) {
+    auto r = step.Step(batches_.Step(s), GlobalBatch(), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
+    EXPECT_LE(std::abs(r->load_balancing_loss - Want(s, "load_balancing_loss")), 1e-5) << "step " << s;
+  }
+  for (const ParamInfo& p : model->params_info())
+    EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4)
+        << p.name;  // as the Llama golden: Adam's first steps amplify
+}
+
+// What the MoE layers do not run with is refused by the library too, not only by ptk-train's flags.
+TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 16;
+  c.seq_length = c.max_position_embeddings = 4;
+  c.vocab_size = c.padded_vocab_size = 16;
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  BackendOptions cuda;
+  cuda.device = Device::kCuda;
+  EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  BackendOptions stage;
+  stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
+  EXPECT_EQ(CreateModel(c, stage).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
+  EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
+  c.add_bias_linear = true;  // the experts have no biases
+  EXPECT_FALSE(ParamLayout::Create(c).ok());
+  c.add_bias_linear = false;
+  c.moe_router_topk = 5;  // more than the experts
+  EXPECT_FALSE(ParamLayout::Create(c).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
+                         ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token"));
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,216 @@
+// ptk-train's mixture-of-experts flags (Megatron's --num-experts, --moe-*): declared, resolved into
+// GPTConfig, and the MoE features and combinations this first slice has not refused in one line each.
+#include <cctype>
+#include <charconv>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "tools/train_flag_parts.h"
+
+namespace ptk {
+
+using train_flags::IntIn;
+using train_flags::kMaxSize;
+using train_flags::NonNegative;
+
+void AddMoeFlags(CLI::App* app, TrainFlags* f) {
+  TrainFlags::Moe& m = f->moe;
+  app->add_option("--num-experts", m.num_experts,
+                  "Mixture of experts: experts per MoE layer (default none: every MLP dense); CPU only, with "
+                  "--disable-bias-linear")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--moe-router-topk", m.topk, "Experts each token is sent to (default 2)")->check(IntIn(1, kMaxSize));
+  app->add_option("--moe-ffn-hidden-size", m.ffn, "Each expert's ffn width (default --ffn-hidden-size)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--moe-aux-loss-coeff", m.aux_loss_coeff,
+                  "Weight of the switch load-balancing loss (default 0: none); logged as load_balancing_loss")
+      ->check(NonNegative());
+  app->add_option("--moe-router-load-balancing-type", m.load_balancing_type,
+                  "aux_loss (the default: the switch load-balancing loss, weighted by --moe-aux-loss-coeff) or none");
+  app->add_option("--moe-router-score-function", m.score_function,
+                  "softmax (the default) or sigmoid (the top-k's sigmoids over their sum)");
+  app->add_flag("--moe-router-pre-softmax", m.pre_softmax,
+                "The probabilities are the softmax over all experts' logits, not over the top-k ones");
+  app->add_option("--moe-layer-freq", m.layer_freq,
+                  "Which layers are MoE: N (every Nth from layer 0; default 1) or a pattern of 0/1 per layer, as "
+                  "Megatron's: \"[1,0,1,1]\", \"([1]*3+[0])*2\"");
+  app->add_option("--moe-token-dispatcher-type", m.dispatcher,
+                  "allgather or alltoall: accepted, the same math at one rank (flex is refused)");
+  app->add_option("--moe-router-dtype", m.router_dtype,
+                  "fp32: accepted (the CPU backend's router is fp32 already); fp64 is refused");
+  app->add_flag("--moe-grouped-gemm", m.grouped_gemm, "Accepted: the experts run one after another (same math)");
+  app->add_flag("--moe-permute-fusion", m.permute_fusion, "Accepted: kernel fusion flag (same math)");
+  app->add_option("--expert-model-parallel-size", m.expert_parallel, "Expert-parallel ranks: 1 (more is refused)")
+      ->check(IntIn(1, kMaxSize));
+}
+
+namespace {
+// Megatron's moe_freq_type pattern: a Python list expression of 0s and 1s ("[1,0]", "([1]*3+[0]*1)*2"):
+// list literals, + (concatenation), * by a count, parentheses. Parsed here, not evaluated.
+class PatternParser {
+ public:
+  explicit PatternParser(const std::string& s) : s_(s) {}
+  bool Parse(std::vector<int>* out) { return Sum(out) && (Skip(), at_ == s_.size()); }
+
+ private:
+  void Skip() {
+    while (at_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[at_]))) ++at_;
+  }
+  bool Eat(char c) { return Skip(), at_ < s_.size() && s_[at_] == c ? (++at_, true) : false; }
+  bool Int(int64_t* v) {
+    Skip();
+    size_t begin = at_;
+    while (at_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[at_])) && at_ - begin < 6) ++at_;
+    if (at_ == begin) return false;
+    return std::from_chars(s_.data() + begin, s_.data() + at_, *v).ec == std::errc();
+  }
+  bool Sum(std::vector<int>* out) {
+    if (!Product(out)) return false;
+    while (Eat('+')) {
+      std::vector<int> more;
+      if (!Product(&more)) return false;
+      out->insert(out->end(), more.begin(), more.end());
+    }
+    return true;
+  }
+  bool Product(std::vector<int>* out) {
+    if (!Atom(out)) return false;
+    int64_t n = 0;
+    while (Eat('*')) {
+      if (!Int(&n) || out->size() * static_cast<size_t>(n) > 1'000'000) return false;
+      std::vector<int> one = *out;
+      out->clear();
+      for (int64_t i = 0; i < n; ++i) out->insert(out->end(), one.begin(), one.end());
+    }
+    return true;
+  }
+  bool Atom(std::vector<int>* out) {
+    if (Eat('(')) return Sum(out) && Eat(')');
+    if (!Eat('[')) return false;
+    int64_t v = 0;
+    if (Eat(']')) return true;
+    do {
+      if (!Int(&v)) return false;
+      out->push_back(static_cast<int>(v));
+    } while (Eat(','));
+    return Eat(']');
+  }
+  const std::string& s_;
+  size_t at_ = 0;
+};
+
+absl::Status ResolveLayerFreq(const std::string& freq, int64_t layers, std::vector<int>* pattern) {
+  const std::string flag = "--moe-layer-freq " + freq;
+  if (freq.empty()) return absl::OkStatus();  // 1: every layer
+  if (freq.find('[') == std::string::npos) {  // N: layer i is MoE when i % N == 0
+    int64_t n = 0;
+    const auto [end, ec] = std::from_chars(freq.data(), freq.data() + freq.size(), n);
+    if (ec != std::errc() || end != freq.data() + freq.size() || n < 1)
+      return UsageError(flag + ": a positive count or a list pattern (\"[1,0,1]\")");
+    for (int64_t l = 0; l < layers; ++l) pattern->push_back(l % n == 0 ? 1 : 0);
+    return absl::OkStatus();
+  }
+  if (!PatternParser(freq).Parse(pattern))
+    return UsageError(flag +
+                      ": ptk reads list patterns of 0 and 1 with +, * and parentheses (\"[1,0,1]\", "
+                      "\"([1]*3+[0])*2\"), not other Python");
+  if (static_cast<int64_t>(pattern->size()) != layers)
+    return UsageError(fmt::format("{}: {} entries for --num-layers {} (one per layer)", flag, pattern->size(), layers));
+  for (int v : *pattern)
+    if (v != 0 && v != 1) return UsageError(fmt::format("{}: entry {}: 1 (MoE) or 0 (dense)", flag, v));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
+  const TrainFlags::Moe& m = f.moe;
+  if (m.num_experts == 0) {
+    if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
+        !m.router_dtype.empty())
+      notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
+    return absl::OkStatus();
+  }
+  for (const std::string& t : m.load_balancing_type)
+    if (t != "aux_loss" && t != "none")
+      return UsageError("--moe-router-load-balancing-type " + t +
+                        ": not implemented; ptk has aux_loss (the switch load-balancing loss) and none");
+  if (m.load_balancing_type.size() > 1 || m.aux_loss_coeff.size() > 1)
+    return UsageError("--moe-router-load-balancing-type / --moe-aux-loss-coeff: one type and one coefficient");
+  if (m.score_function != "softmax" && m.score_function != "sigmoid")
+    return UsageError("--moe-router-score-function " + m.score_function + ": softmax or sigmoid (Megatron's choices)");
+  if (!m.router_dtype.empty() && m.router_dtype != "fp32")
+    return UsageError("--moe-router-dtype " + m.router_dtype +
+                      ": ptk's router computes in fp32 (--moe-router-dtype fp32, the CPU backend's precision)");
+  if (!m.router_dtype.empty())
+    notes->push_back("--moe-router-dtype fp32: accepted, the CPU backend's router is fp32 already");
+  if (!m.dispatcher.empty() && m.dispatcher != "allgather" && m.dispatcher != "alltoall")
+    return UsageError("--moe-token-dispatcher-type " + m.dispatcher +
+                      ": ptk's dispatch is allgather's and alltoall's at one rank (flex needs DeepEP on GPUs)");
+  model->num_experts = m.num_experts;
+  model->moe_router_topk = m.topk.value_or(2);
+  if (model->moe_router_topk > m.num_experts)
+    return UsageError(
+        fmt::format("--moe-router-topk {} is more than --num-experts {}", model->moe_router_topk, m.num_experts));
+  model->moe_ffn_hidden_size = m.ffn.value_or(0);
+  model->moe_router_pre_softmax = m.pre_softmax;
+  model->moe_router_sigmoid = m.score_function == "sigmoid";
+  if (m.pre_softmax && model->moe_router_sigmoid)
+    notes->push_back(
+        "--moe-router-pre-softmax: accepted, no effect with --moe-router-score-function sigmoid (as "
+        "Megatron)");
+  const bool none = !m.load_balancing_type.empty() && m.load_balancing_type[0] == "none";
+  const double coeff = m.aux_loss_coeff.empty() ? 0.0 : m.aux_loss_coeff[0];
+  model->moe_aux_loss_coeff = none ? 0.0 : coeff;
+  if (none && coeff > 0)
+    notes->push_back(
+        "--moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type none (as Megatron)");
+  PTK_RETURN_IF_ERROR(ResolveLayerFreq(m.layer_freq, model->num_layers, &model->moe_layer_pattern));
+  if (!model->moe_layer_pattern.empty() && model->moe_layers() == 0)
+    return UsageError("--moe-layer-freq " + m.layer_freq +
+                      ": no layer is MoE (give no --num-experts for a dense model)");
+  if (!f.disable_bias_linear)
+    return UsageError(
+        "--num-experts without --disable-bias-linear: ptk's MoE layers have no biases (Megatron gives its router and "
+        "experts biases under --add-bias-linear, its default); give --disable-bias-linear");
+  for (const auto& [flag, on] : {std::pair{"--moe-token-dispatcher-type", !m.dispatcher.empty()},
+                                 {"--moe-grouped-gemm", m.grouped_gemm},
+                                 {"--moe-permute-fusion", m.permute_fusion}})
+    if (on)
+      notes->push_back(fmt::format("{}: accepted, speed only (the experts run one after another, same math)", flag));
+  return absl::OkStatus();
+}
+
+absl::Status RefuseMoeParallelism(const TrainFlags& f) {
+  if (f.moe.num_experts == 0) {
+    if (f.moe.expert_parallel > 1)
+      return UsageError(fmt::format("--expert-model-parallel-size {} without --num-experts", f.moe.expert_parallel));
+    return absl::OkStatus();
+  }
+  const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
+  auto refuse = [&](const std::string& what) {
+    return UsageError(fmt::format(
+        "{} with {}: ptk's mixture-of-experts layers run with data parallelism only for now (tensor, pipeline, context "
+        "and expert parallelism are the next slice)",
+        moe, what));
+  };
+  if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
+  if (f.tensor_model_parallel_size > 1)
+    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
+  if (f.pipeline_model_parallel_size > 1 || f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
+    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
+  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+  return absl::OkStatus();
+}
+
+absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
+  if (f.moe.num_experts == 0 || device == Device::kCpu) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--num-experts {} on --device cuda: the CUDA backend has no mixture-of-experts layers yet; train on the CPU "
+      "(--device cpu)",
+      f.moe.num_experts));
+}
+
+}  // namespace ptk

@@ -1,0 +1,51 @@
+// The CPU model's mixture-of-experts MLP (Megatron's MoELayer with TopKRouter and SequentialMLP):
+// the layer's router and experts over the pre-MLP norm's output (trainer/cpu/moe_cpu.h), the
+// load-balancing loss's value kept for the log and its gradient injected with the step's scale,
+// as Megatron's MoEAuxLossAutoScaler does.
+#include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/moe_cpu.h"
+
+namespace ptk {
+namespace {
+cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
+  cpu::MoeSettings s;
+  s.experts = cf.num_experts;
+  s.topk = cf.moe_router_topk;
+  s.ffn = cf.moe_ffn();
+  s.pre_softmax = cf.moe_router_pre_softmax && !cf.moe_router_sigmoid;
+  s.sigmoid = cf.moe_router_sigmoid;
+  s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
+                 : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
+                 : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact
+                                   : cpu::MlpActivation::kGelu;
+  return s;
+}
+}  // namespace
+
+void CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const cpu::MoeSettings s = MoeSettingsOf(cf);
+  cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
+  const float* P = params_.data();
+  cpu::MoeRouterForward(&m, a.ln2[l].data(), P + lp.router_w, n, cf.hidden_size, s);
+  cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
+  // Megatron tracks (and injects) the load-balancing loss only in training passes with a coefficient.
+  if (train && cf.moe_aux_loss_coeff > 0) moe_aux_sum_ += cpu::MoeAuxLoss(m, s);
+}
+
+void CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool train) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const cpu::MoeSettings s = MoeSettingsOf(cf);
+  cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
+  const float* P = params_.data();
+  float* G = grads_.data();
+  const double aux_grad = train ? cf.moe_aux_loss_coeff * moe_aux_loss_scale_ : 0.0;
+  std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  cpu::MoeBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m, a.ln2[l].data(), P + lp.router_w,
+                   P + lp.experts, cf.hidden_size, s, aux_grad);
+}
+
+}  // namespace ptk

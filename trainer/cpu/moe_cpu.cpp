@@ -1,0 +1,282 @@
+// The mixture-of-experts MLP's router, dispatch, experts and combine, forward and backward (moe_cpu.h).
+#include "trainer/cpu/moe_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/status.h"
+#include "trainer/cpu/ops_cpu.h"
+
+namespace ptk::cpu {
+namespace {
+
+// Softmax of `m` values into out (max subtracted, as torch.softmax).
+template <typename T>
+void Softmax(T* out, const T* in, int64_t m) {
+  T mx = in[0];
+  for (int64_t j = 1; j < m; ++j) mx = std::max(mx, in[j]);
+  T sum = 0;
+  for (int64_t j = 0; j < m; ++j) sum += out[j] = std::exp(in[j] - mx);
+  for (int64_t j = 0; j < m; ++j) out[j] /= sum;
+}
+
+// y's gradient through y = softmax(x) (m values): dx = y (dy - sum(y dy)), added to dx.
+template <typename T>
+void SoftmaxBackwardAdd(T* dx, const T* y, const T* dy, int64_t m) {
+  T dot = 0;
+  for (int64_t j = 0; j < m; ++j) dot += y[j] * dy[j];
+  for (int64_t j = 0; j < m; ++j) dx[j] += y[j] * (dy[j] - dot);
+}
+
+// The K largest of `v` (E values), by descending value, the lower index first among equals.
+void TopK(int32_t* idx, const auto* v, int64_t E, int64_t K) {
+  std::vector<int32_t> all(static_cast<size_t>(E));
+  std::iota(all.begin(), all.end(), 0);
+  std::partial_sort(all.begin(), all.begin() + K, all.end(),
+                    [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  std::copy(all.begin(), all.begin() + K, idx);
+}
+
+template <typename T>
+void ActivationForward(MlpActivation act, T* out, const T* in, int64_t rows, int64_t f) {
+  switch (act) {
+    case MlpActivation::kSwiglu: return SwigluForward(out, in, rows, f);
+    case MlpActivation::kSquaredRelu: return SquaredReluForward(out, in, rows * f);
+    case MlpActivation::kGeluExact: return GeluExactForward(out, in, rows * f);
+    case MlpActivation::kGelu: return GeluForward(out, in, rows * f);
+  }
+}
+
+// din (rows, fc1 width) assigned from dout (rows, f).
+template <typename T>
+void ActivationBackward(MlpActivation act, T* din, const T* in, const T* dout, int64_t rows, int64_t f) {
+  switch (act) {
+    case MlpActivation::kSwiglu: return SwigluBackward(din, in, dout, rows, f);
+    case MlpActivation::kSquaredRelu: return SquaredReluBackward(din, in, dout, rows * f);
+    case MlpActivation::kGeluExact: return GeluExactBackward(din, in, dout, rows * f);
+    case MlpActivation::kGelu: return GeluBackward(din, in, dout, rows * f);
+  }
+}
+
+// The tokens sent to each expert in token order (Megatron's permute by the routing map).
+template <typename T>
+void Dispatch(MoeActivations<T>* a, const MoeSettings& s) {
+  const int64_t n = a->n, E = s.experts, K = s.topk;
+  a->begin.assign(static_cast<size_t>(E + 1), 0);
+  for (int64_t i = 0; i < n * K; ++i) ++a->begin[static_cast<size_t>(a->expert[i] + 1)];
+  for (int64_t e = 0; e < E; ++e) a->begin[e + 1] += a->begin[e];
+  std::vector<int64_t> next(a->begin.begin(), a->begin.end() - 1);
+  a->order.resize(static_cast<size_t>(n * K));
+  for (int64_t i = 0; i < n * K; ++i) a->order[next[a->expert[i]]++] = i;
+}
+
+// Token i's routing under the sigmoid score function (MoeSettings::sigmoid).
+template <typename T>
+void RouteSigmoid(MoeActivations<T>* a, int64_t i, const MoeSettings& s) {
+  const int64_t E = s.experts, K = s.topk;
+  const T* z = a->logits.data() + i * E;
+  T* g = a->gates.data() + i * E;
+  T* sc = a->scores.data() + i * E;
+  int32_t* chosen = a->expert.data() + i * K;
+  T* p = a->prob.data() + i * K;
+  T all = 0;
+  for (int64_t e = 0; e < E; ++e) all += g[e] = T{1} / (T{1} + std::exp(-z[e]));
+  for (int64_t e = 0; e < E; ++e) sc[e] = g[e] / (all + T(1e-20));
+  TopK(chosen, g, E, K);
+  T top = 0;
+  for (int64_t k = 0; k < K; ++k) top += p[k] = g[chosen[k]];
+  if (K > 1)
+    for (int64_t k = 0; k < K; ++k) p[k] /= top + T(1e-20);
+}
+
+// Its backward: token i's logits' gradient added to dz from its probabilities' (dp) and, with aux_unit,
+// the load-balancing loss's (aux_unit x the tokens each expert got, per normalised score).
+template <typename T>
+void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T* dp, const MoeSettings& s,
+                           double aux_unit) {
+  const int64_t E = s.experts, K = s.topk;
+  const T* g = a.gates.data() + i * E;
+  const T* sc = a.scores.data() + i * E;
+  const int32_t* chosen = a.expert.data() + i * K;
+  const T* p = a.prob.data() + i * K;
+  std::vector<T> ds(static_cast<size_t>(E), T{0});  // the gates' gradient
+  if (K == 1) {
+    ds[chosen[0]] = dp[0];
+  } else {
+    T top = 0, dot = 0;
+    for (int64_t k = 0; k < K; ++k) top += g[chosen[k]], dot += p[k] * dp[k];
+    for (int64_t k = 0; k < K; ++k) ds[chosen[k]] = (dp[k] - dot) / (top + T(1e-20));
+  }
+  if (aux_unit != 0) {
+    T all = 0, dot = 0;
+    for (int64_t e = 0; e < E; ++e) all += g[e];
+    for (int64_t e = 0; e < E; ++e)
+      dot += sc[e] * static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e]));
+    for (int64_t e = 0; e < E; ++e)
+      ds[e] += (static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e])) - dot) / (all + T(1e-20));
+  }
+  for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
+}
+
+}  // namespace
+
+template <typename T>
+void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64_t n, int64_t c, const MoeSettings& s) {
+  const int64_t E = s.experts, K = s.topk;
+  PTK_CHECK(E >= 1 && K >= 1 && K <= E);
+  a->n = n;
+  a->logits.resize(static_cast<size_t>(n * E));
+  a->scores.resize(static_cast<size_t>(n * E));
+  a->prob.resize(static_cast<size_t>(n * K));
+  a->expert.resize(static_cast<size_t>(n * K));
+  MatmulForward(a->logits.data(), x, w_router, static_cast<const T*>(nullptr), n, c, E);
+  if (s.sigmoid) a->gates.resize(static_cast<size_t>(n * E));
+  for (int64_t i = 0; i < n; ++i) {
+    if (s.sigmoid) {
+      RouteSigmoid(a, i, s);
+      continue;
+    }
+    const T* z = a->logits.data() + i * E;
+    T* sc = a->scores.data() + i * E;
+    int32_t* chosen = a->expert.data() + i * K;
+    T* p = a->prob.data() + i * K;
+    Softmax(sc, z, E);
+    if (s.pre_softmax) {  // the softmax over all experts, its K largest entries
+      TopK(chosen, sc, E, K);
+      for (int64_t k = 0; k < K; ++k) p[k] = sc[chosen[k]];
+    } else {  // the K largest logits, then a softmax over them
+      TopK(chosen, z, E, K);
+      std::vector<T> top(static_cast<size_t>(K));
+      for (int64_t k = 0; k < K; ++k) top[k] = z[chosen[k]];
+      Softmax(p, top.data(), K);
+    }
+  }
+  Dispatch(a, s);
+  a->x.resize(static_cast<size_t>(n * K * c));
+  for (int64_t r = 0; r < n * K; ++r) std::copy_n(x + a->order[r] / K * c, c, a->x.data() + r * c);
+}
+
+template <typename T>
+double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s) {
+  const int64_t n = a.n, E = s.experts, K = s.topk;
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    T col = 0;  // the scores' sum over the tokens (probs.sum(dim=0))
+    for (int64_t i = 0; i < n; ++i) col += a.scores[i * E + e];
+    sum += static_cast<double>(col) * static_cast<double>(a.begin[e + 1] - a.begin[e]);
+  }
+  return sum * static_cast<double>(E) / (static_cast<double>(K) * static_cast<double>(n) * static_cast<double>(n));
+}
+
+template <typename T>
+void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t c, const MoeSettings& s) {
+  const int64_t rows = a->n * s.topk, f1 = s.fc1_rows(), f = s.ffn;
+  a->fc1.resize(static_cast<size_t>(rows * f1));
+  a->act.resize(static_cast<size_t>(rows * f));
+  a->scaled.resize(static_cast<size_t>(rows * f));
+  a->out.resize(static_cast<size_t>(rows * c));
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const int64_t r0 = a->begin[e], ne = a->begin[e + 1] - r0;
+    if (ne == 0) continue;
+    const T* w1 = w_experts + e * s.expert_floats(c);
+    const T* w2 = w1 + f1 * c;
+    MatmulForward(a->fc1.data() + r0 * f1, a->x.data() + r0 * c, w1, static_cast<const T*>(nullptr), ne, c, f1);
+    ActivationForward(s.activation, a->act.data() + r0 * f, a->fc1.data() + r0 * f1, ne, f);
+    for (int64_t r = r0; r < r0 + ne; ++r) {
+      const T p = a->prob[a->order[r]];
+      for (int64_t j = 0; j < f; ++j) a->scaled[r * f + j] = a->act[r * f + j] * p;
+    }
+    MatmulForward(a->out.data() + r0 * c, a->scaled.data() + r0 * f, w2, static_cast<const T*>(nullptr), ne, f, c);
+  }
+  std::fill(out, out + a->n * c, T{0});
+  for (int64_t r = 0; r < rows; ++r) {  // the combine: each row added to its token, expert by expert
+    T* y = out + a->order[r] / s.topk * c;
+    for (int64_t j = 0; j < c; ++j) y[j] += a->out[r * c + j];
+  }
+}
+
+namespace {
+// The router's logits' gradient from the probabilities' (dprob) and the load-balancing loss's.
+template <typename T>
+void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad) {
+  const int64_t n = a->n, E = s.experts, K = s.topk;
+  a->dlogits.assign(static_cast<size_t>(n * E), T{0});
+  std::vector<T> d(static_cast<size_t>(std::max(E, K)));
+  const double aux_unit = aux_grad * static_cast<double>(E) / (static_cast<double>(K) * n * n);
+  for (int64_t i = 0; i < n; ++i) {
+    T* dz = a->dlogits.data() + i * E;
+    const T* sc = a->scores.data() + i * E;
+    const int32_t* chosen = a->expert.data() + i * K;
+    const T* dp = a->dprob.data() + i * K;
+    if (s.sigmoid) {
+      SigmoidRouterBackward(dz, *a, i, dp, s, aux_unit);
+      continue;
+    }
+    if (s.pre_softmax) {
+      std::fill(d.begin(), d.begin() + E, T{0});
+      for (int64_t k = 0; k < K; ++k) d[chosen[k]] = dp[k];
+      SoftmaxBackwardAdd(dz, sc, d.data(), E);
+    } else {
+      std::vector<T> top(static_cast<size_t>(K));
+      SoftmaxBackwardAdd(top.data(), a->prob.data() + i * K, dp, K);  // top starts at zero
+      for (int64_t k = 0; k < K; ++k) dz[chosen[k]] += top[k];
+    }
+    if (aux_grad == 0) continue;
+    for (int64_t e = 0; e < E; ++e)
+      d[e] = static_cast<T>(aux_unit * static_cast<double>(a->begin[e + 1] - a->begin[e]));
+    SoftmaxBackwardAdd(dz, sc, d.data(), E);
+  }
+}
+}  // namespace
+
+template <typename T>
+void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
+                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad) {
+  const int64_t n = a->n, K = s.topk, rows = n * K, f1 = s.fc1_rows(), f = s.ffn;
+  a->dout.resize(static_cast<size_t>(rows * c));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(dout + a->order[r] / K * c, c, a->dout.data() + r * c);
+  a->dact.assign(static_cast<size_t>(rows * f), T{0});
+  a->dfc1.resize(static_cast<size_t>(rows * f1));
+  a->dx.assign(static_cast<size_t>(rows * c), T{0});
+  a->dprob.assign(static_cast<size_t>(rows), T{0});
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const int64_t r0 = a->begin[e], ne = a->begin[e + 1] - r0;
+    if (ne == 0) continue;
+    const T* w1 = w_experts + e * s.expert_floats(c);
+    const T* w2 = w1 + f1 * c;
+    T* dw1 = dw_experts + e * s.expert_floats(c);
+    T* dw2 = dw1 + f1 * c;
+    T* dscaled = a->dact.data() + r0 * f;  // the scaled activation's gradient, then the activation's
+    MatmulBackward(dscaled, dw2, static_cast<T*>(nullptr), a->dout.data() + r0 * c, a->scaled.data() + r0 * f, w2, ne,
+                   f, c);
+    for (int64_t r = r0; r < r0 + ne; ++r) {
+      const int64_t slot = a->order[r];
+      T dp = 0;
+      for (int64_t j = 0; j < f; ++j) dp += a->dact[r * f + j] * a->act[r * f + j];
+      a->dprob[slot] = dp;
+      for (int64_t j = 0; j < f; ++j) a->dact[r * f + j] *= a->prob[slot];
+    }
+    ActivationBackward(s.activation, a->dfc1.data() + r0 * f1, a->fc1.data() + r0 * f1, dscaled, ne, f);
+    MatmulBackward(a->dx.data() + r0 * c, dw1, static_cast<T*>(nullptr), a->dfc1.data() + r0 * f1, a->x.data() + r0 * c,
+                   w1, ne, c, f1);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* y = dx + a->order[r] / K * c;
+    for (int64_t j = 0; j < c; ++j) y[j] += a->dx[r * c + j];
+  }
+  RouterBackward(a, s, aux_grad);
+  MatmulBackward(dx, dw_router, static_cast<T*>(nullptr), a->dlogits.data(), x, w_router, n, c, s.experts);
+}
+
+#define PTK_INSTANTIATE(T)                                                                                         \
+  template void MoeRouterForward<T>(MoeActivations<T>*, const T*, const T*, int64_t, int64_t, const MoeSettings&); \
+  template double MoeAuxLoss<T>(const MoeActivations<T>&, const MoeSettings&);                                     \
+  template void MoeExpertsForward<T>(T*, MoeActivations<T>*, const T*, int64_t, const MoeSettings&);               \
+  template void MoeBackward<T>(T*, T*, T*, const T*, MoeActivations<T>*, const T*, const T*, const T*, int64_t,    \
+                               const MoeSettings&, double);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(double)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cpu

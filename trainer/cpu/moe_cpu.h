@@ -1,0 +1,65 @@
+// Megatron-core's dropless token-choice top-k mixture-of-experts MLP on the CPU (fp32 for training,
+// double for the finite-difference checks): the router (a linear layer without bias, hidden -> E,
+// softmax scores, top-k; the probabilities a softmax over the k chosen logits, or with pre_softmax
+// the chosen entries of the softmax over all E), the tokens sent to their k experts (each expert's
+// rows in token order, Megatron's permute), each expert the dense MLP's shape without biases with
+// its output's rows scaled by the token's probability after the activation (MLP's per_token_scale),
+// the outputs added back per token; the switch-style load-balancing loss
+// (switch_load_balancing_loss_func) and its gradient. With sigmoid, Megatron's sigmoid score function.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ptk::cpu {
+
+enum class MlpActivation { kGelu, kGeluExact, kSquaredRelu, kSwiglu };
+
+struct MoeSettings {
+  int64_t experts = 0, topk = 2;
+  int64_t ffn = 0;           // each expert's ffn width (--moe-ffn-hidden-size); fc1 has 2 x ffn rows under SwiGLU
+  bool pre_softmax = false;  // softmax scores only
+  // Megatron's --moe-router-score-function sigmoid: scores sigmoid(logits), the top-k's probabilities
+  // those scores over their sum (+1e-20; the score itself at k = 1), the load-balancing loss's scores
+  // each token's sigmoids over their sum (+1e-20).
+  bool sigmoid = false;
+  MlpActivation activation = MlpActivation::kGelu;
+  int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
+  // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
+  int64_t expert_floats(int64_t c) const { return fc1_rows() * c + c * ffn; }
+};
+
+// One MoE layer's pass over n tokens: the routing and what the experts' backward reads.
+template <typename T>
+struct MoeActivations {
+  int64_t n = 0;
+  std::vector<T> logits;        // (n, E) the router's
+  std::vector<T> scores;        // (n, E) softmax over all experts (the aux loss's, pre_softmax's)
+  std::vector<T> gates;         // (n, E) under sigmoid: sigmoid(logits) (scores then holds them normalised)
+  std::vector<T> prob;          // (n, K) the chosen experts' probabilities
+  std::vector<int32_t> expert;  // (n, K) the chosen experts, by descending score
+  // The n·K rows sent to the experts: row r is slot order[r] (token order[r] / K), expert e's rows
+  // [begin[e], begin[e + 1]) in token order.
+  std::vector<int64_t> order, begin;
+  std::vector<T> x, fc1, act, scaled;  // per row: the input (c), fc1's output, the activation, x prob
+  std::vector<T> out, dout, dact, dfc1, dx, dprob, dlogits;  // per row scratch, and (n, K), (n, E) gradients
+};
+
+// The router and the dispatch: `a` sized and filled from x (n, c) and the router's weight (E, c).
+template <typename T>
+void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64_t n, int64_t c, const MoeSettings& s);
+// The load-balancing loss of the pass without its coefficient (what Megatron logs as
+// load_balancing_loss): E / (K n^2) · sum_e (sum over tokens of scores[., e]) · (tokens sent to e).
+template <typename T>
+double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s);
+// The experts: out (n, c) assigned, from x (n, c) and the experts' weights (E x expert_floats).
+template <typename T>
+void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t c, const MoeSettings& s);
+// The whole layer's backward from dout (n, c): dx (n, c) accumulated with the experts' and the
+// router's input gradients, dw_router (E, c) and dw_experts accumulated. aux_grad: d(objective) /
+// d(load-balancing loss without its coefficient), i.e. coefficient x the loss's weight (0: none).
+template <typename T>
+void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
+                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad);
+
+}  // namespace ptk::cpu
