@@ -36,6 +36,9 @@ absl::Status CheckpointStep(std::string_view name);
 // records ..." (a copy or download stopped by a kill or a full disk), or longer; "" when the length is
 // right or the header is unreadable (the SHA-256 then decides).
 std::string CheckpointLengthProblem(std::string_view head, uint64_t size);
+// The cheap part of VerifyCheckpointFile: `file` is there, a ptk checkpoint whose length is the one its header
+// records (what a finished save leaves and a copy cut short or a rank's file gone lacks); its SHA-256 unread.
+absl::Status CheckCheckpointFileLength(const std::string& file);
 
 // The header's "settings" ([[flag, value], ...], the run's settings as given) into *out, cleared
 // first; none when the header has no such key (a checkpoint of ptk before it recorded them). False

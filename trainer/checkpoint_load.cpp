@@ -186,18 +186,26 @@ absl::StatusOr<HashedFile> ReadHashed(const std::string& file, ProgressReporter*
 
 }  // namespace
 
-absl::Status VerifyCheckpointFile(const std::string& file) {
+absl::Status CheckCheckpointFileLength(const std::string& file) {
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: incomplete or corrupt checkpoint: {}", file, why));
   };
   if (!PathExists(file)) return absl::NotFoundError(fmt::format("{}: missing", file));
   PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));
-  {
-    // The fixed start and the header (all of a shorter file): a file cut short says so, not "SHA-256 mismatch".
-    PTK_ASSIGN_OR_RETURN(const std::string head, ReadHead(file, size));
-    if (std::string why = CheckpointLengthProblem(head, size); !why.empty()) return bad(why);
-  }
+  // The fixed start and the header (all of a shorter file): a file cut short says so, not "SHA-256 mismatch".
+  PTK_ASSIGN_OR_RETURN(const std::string head, ReadHead(file, size));
+  if (std::string why = CheckpointLengthProblem(head, size); !why.empty()) return bad(why);
   if (size < sizeof kMagic + 8 + kDigestChars) return bad(fmt::format("{} bytes, too short", size));
+  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) return bad(NotAPtkCheckpoint(head));
+  return absl::OkStatus();
+}
+
+absl::Status VerifyCheckpointFile(const std::string& file) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: incomplete or corrupt checkpoint: {}", file, why));
+  };
+  PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(file));
+  PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));
   const uint64_t body = size - kDigestChars;
   Sha256 sha;
   std::string head, tail;

@@ -38,6 +38,20 @@ bool HoldsOnlyPtkRankFiles(const fs::path& dir) {
   return any && !ec;
 }
 
+// Every rank's file of the checkpoint in iteration directory `dir` (those its first file's header names) there at
+// its recorded length, and with `checksums` its SHA-256 right (VerifyCheckpointDir).
+absl::Status CheckpointDirWhole(const std::string& dir, bool checksums) {
+  if (checksums) return VerifyCheckpointDir(dir);
+  const std::string first = FirstRankFile(dir);
+  PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(first));
+  PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(first));
+  const int P = saved.pipeline_size();
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < saved.tensor_size; ++t)
+      PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(JoinPath(dir, MpRankFile(t, p, P))));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string NonPersistentDir(const std::string& dir, const std::string& given) {
@@ -94,15 +108,30 @@ absl::StatusOr<NonPersistentCleanup> CleanUpOldNonPersistent(const std::string& 
   NonPersistentCleanup out;
   PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> found, PtkIterations(dir));
   if (found.empty()) return out;
-  int64_t keep = found.back();
+  std::optional<int64_t> tracked;
   if (absl::StatusOr<int64_t> latest = LatestCheckpointIteration(dir); latest.ok()) {
-    keep = *latest;
+    tracked = *latest;
   } else if (!absl::IsNotFound(latest.status())) {
     return latest.status();  // a damaged tracker: nothing is removed
   }
-  for (int64_t it : found) (it == keep ? out.kept : out.removed).push_back(CheckpointDir(dir, it));
+  const bool tracked_there = tracked && std::find(found.begin(), found.end(), *tracked) != found.end();
+  std::vector<int64_t> keep;
+  if (tracked_there) keep.push_back(*tracked);  // never removed, whole or not
+  if (!tracked_there || !CheckpointDirWhole(CheckpointDir(dir, *tracked), /*checksums=*/false).ok()) {
+    // The tracker's checkpoint is missing or damaged: the newest that verifies is kept too, and with none that
+    // does, nothing is removed (a damaged checkpoint may still be all a user has).
+    auto whole = std::find_if(found.rbegin(), found.rend(), [&](int64_t it) {
+      return it != tracked && CheckpointDirWhole(CheckpointDir(dir, it), /*checksums=*/true).ok();
+    });
+    if (whole == found.rend()) keep = found;
+    if (whole != found.rend()) keep.push_back(*whole);
+  }
+  for (int64_t it : found) {
+    const bool kept = std::find(keep.begin(), keep.end(), it) != keep.end();
+    (kept ? out.kept : out.removed).push_back(CheckpointDir(dir, it));
+  }
   for (int64_t it : found)
-    if (it != keep) PTK_RETURN_IF_ERROR(RemoveCheckpointIteration(dir, it));
+    if (std::find(keep.begin(), keep.end(), it) == keep.end()) PTK_RETURN_IF_ERROR(RemoveCheckpointIteration(dir, it));
   return out;
 }
 

@@ -36,8 +36,11 @@ absl::Status RemoveCheckpointIteration(const std::string& dir, int64_t iteration
 
 // Megatron's cleanup_old_non_persistent_checkpoint before a non-persistent save into `dir`: every
 // checkpoint there but one is removed. The one kept is the one the tracker names (Megatron keeps the
-// newest, which is the same unless a kill came between a save's rename and its tracker); with no tracker,
-// the newest. `removed` and `kept` list the iteration directories, for Megatron's two lines.
+// newest, which is the same unless a kill came between a save's rename and its tracker). Where the tracker
+// names none, a missing one or one not whole (a rank's file gone or cut short), the newest that verifies
+// (VerifyCheckpointDir) is kept too, and with none that does nothing is removed: a bad tracker never costs the
+// last usable checkpoint. A damaged tracker: an error, nothing removed. `removed` and `kept` list the iteration
+// directories, for Megatron's two lines.
 struct NonPersistentCleanup {
   std::vector<std::string> removed, kept;
 };

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -159,6 +160,51 @@ TEST(CheckpointRetention, NonPersistentCleanupKeepsTheTrackersCheckpoint) {
   testing::WriteFile(np + "/latest_checkpointed_iteration.txt", "x");
   EXPECT_FALSE(CleanUpOldNonPersistent(np).ok());
   EXPECT_EQ(Iterations(np), (std::vector<int64_t>{6, 10}));
+}
+
+// A tracker naming a checkpoint that is gone (deleted by hand) or not whole (a damaged copy): the cleanup keeps
+// the newest checkpoint that verifies beside it, never only the tracker's; with none that verifies, it removes
+// nothing. (Before: every checkpoint but the tracker's went, the only usable one with them.)
+TEST(CheckpointRetention, ABadTrackerNeverCostsTheNewestWholeCheckpoint) {
+  TempDir dir;
+  const std::string np = dir / "np";
+  for (int64_t it : {2, 4}) ASSERT_TRUE(Save(np, it, static_cast<float>(it)).ok());
+  testing::WriteFile(np + "/latest_checkpointed_iteration.txt", "6");  // iter 6 deleted by hand
+  auto gone = CleanUpOldNonPersistent(np);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(gone->kept, std::vector<std::string>{CheckpointDir(np, 4)});
+  EXPECT_EQ(Iterations(np), std::vector<int64_t>{4});
+  EXPECT_EQ(Tag(np, 4), 4);
+  // The tracker's copy cut short: it stays, and so does the newest whole one; an older whole one goes.
+  for (int64_t it : {6, 8}) ASSERT_TRUE(Save(np, it, static_cast<float>(it)).ok());
+  std::filesystem::resize_file(CheckpointFile(np, 8), 100);
+  auto cut = CleanUpOldNonPersistent(np);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->kept, (std::vector<std::string>{CheckpointDir(np, 6), CheckpointDir(np, 8)}));
+  EXPECT_EQ(Iterations(np), (std::vector<int64_t>{6, 8}));
+  EXPECT_EQ(Tag(np, 6), 6);
+  // A flipped byte (its length right, its checksum wrong) in the newest beside a missing tracker's: the older
+  // whole one is kept.
+  ASSERT_TRUE(Save(np, 10, 10).ok());
+  std::filesystem::remove_all(CheckpointDir(np, 8));
+  {
+    std::fstream f(CheckpointFile(np, 10), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-100, std::ios::end);
+    f.put('\x7f');
+  }
+  testing::WriteFile(np + "/latest_checkpointed_iteration.txt", "12");
+  ASSERT_TRUE(CleanUpOldNonPersistent(np).ok());
+  EXPECT_EQ(Iterations(np), (std::vector<int64_t>{6}));
+  EXPECT_EQ(Tag(np, 6), 6);
+  // None verifies: nothing is removed.
+  ASSERT_TRUE(Save(np, 14, 14).ok());
+  testing::WriteFile(np + "/latest_checkpointed_iteration.txt", "16");
+  std::filesystem::resize_file(CheckpointFile(np, 6), 100);
+  std::filesystem::resize_file(CheckpointFile(np, 14), 100);
+  auto none = CleanUpOldNonPersistent(np);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->removed.empty());
+  EXPECT_EQ(Iterations(np), (std::vector<int64_t>{6, 14}));
 }
 
 // A kill at every step of a non-persistent save (its cleanup, then the save): the tracker names a
