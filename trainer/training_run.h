@@ -162,7 +162,7 @@ class Trainer {
   std::unique_ptr<Timers> timers_;    // --timing-log-level's
   StageExchangeAgreement agreed_;     // the forward-only passes' exchange formats, agreed once each
   SaveDirectory save_dir_;            // rank 0's --save: a start refused on any rank leaves none it made
-  SaveDirectory non_persistent_dir_;  // rank 0's --non-persistent-global-ckpt-dir outside --save, the same
+  SaveDirectory non_persistent_dir_;  // rank 0's non-persistent directory (SAVE/non_persistent too), the same
   TrainState state_;
   TrainSummary summary_;
   TrainingSplits data_;

@@ -78,9 +78,10 @@ absl::Status Trainer::SetUp() {
   if (lead_ && !o_.save.empty()) {
     PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
     PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
-    // The non-persistent directory: under --save, its lock holds it; elsewhere, a lock of its own.
+    // The non-persistent directory has a lock of its own, SAVE/non_persistent too: --save's does not keep out a
+    // run whose --non-persistent-global-ckpt-dir or --save it is, and each one's cleanup removes the other's.
     const std::string& np = o_.non_persistent_dir;
-    if (!np.empty() && np != JoinPath(o_.save, kNonPersistentSubdir)) PTK_RETURN_IF_ERROR(non_persistent_dir_.Take(np));
+    if (!np.empty()) PTK_RETURN_IF_ERROR(non_persistent_dir_.Take(np));
     if (!np.empty()) PTK_RETURN_IF_ERROR(RecoverCheckpointDir(np));
   }
   return absl::OkStatus();

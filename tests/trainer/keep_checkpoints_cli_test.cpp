@@ -201,6 +201,28 @@ TEST_F(KeepCheckpointsCli, ASecondRunOnANonPersistentDirectoryIsRefused) {
       << same.output;
 }
 
+// SAVE/non_persistent is locked too, not only through --save's lock: a run writing there as its
+// --non-persistent-global-ckpt-dir (or its --save) keeps out a run whose default non-persistent directory it
+// is, whose cleanup would remove its checkpoints. (Before: only SAVE was locked; the second run started.)
+TEST_F(KeepCheckpointsCli, TheDefaultNonPersistentDirectoryIsLockedToo) {
+  const std::string a = dir_ / "a", np = dir_ / "a/non_persistent";
+  const std::string keep = " --non-persistent-ckpt-type global --non-persistent-save-interval 1 ";
+  auto one = RunCmd(Train("--save " + ShellQuote(dir_ / "x") + keep + "--non-persistent-global-ckpt-dir " +
+                              ShellQuote(np) + " --save-interval 100",
+                          3));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(Iterations(np), (std::vector<int64_t>{2, 3}));
+  auto held = OutputLock::Acquire(np + "/ptk-train");  // that run, still writing there
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto two = RunCmd(Train("--save " + ShellQuote(a) + keep, 3));
+  EXPECT_NE(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find(np), std::string::npos) << two.output;
+  EXPECT_EQ(two.output.find("scheduled for removal"), std::string::npos) << two.output;
+  EXPECT_EQ(Iterations(np), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(Tracker(np), "3");
+  EXPECT_FALSE(testing::Exists(CheckpointDir(a, 3)));
+}
+
 // What makes no sense is refused in one line naming the flag, before anything starts (exit 2).
 TEST_F(KeepCheckpointsCli, NonsenseIsRefusedInOneLine) {
   const std::string s = ShellQuote(dir_ / "s");
