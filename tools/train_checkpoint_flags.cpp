@@ -120,6 +120,13 @@ absl::Status ResolveCheckpointKeeping(const TrainFlags& f, TrainOptions* out, st
   if (type == "global") {
     if (!o.save.empty()) o.non_persistent_dir = NonPersistentDir(o.save, given);
     if (!o.load.empty()) o.non_persistent_load_dir = NonPersistentDir(o.load, given);
+    // SAVE/non_persistent made a symbolic link to --save or --load: its cleanup would remove their checkpoints.
+    for (const auto& [flag, dir] : {std::pair{"--save", o.save}, std::pair{"--load", o.load}})
+      if (given.empty() && !o.non_persistent_dir.empty() && !dir.empty() && SameDirectory(o.non_persistent_dir, dir))
+        return UsageError(fmt::format(
+            "{} is {} {} itself (a symbolic link): each non-persistent save removes the older checkpoints of its "
+            "directory; give --non-persistent-global-ckpt-dir a directory of its own",
+            o.non_persistent_dir, flag, dir));
     if (every == 0 && o.load.empty())
       notes->push_back(
           "--non-persistent-ckpt-type global without --non-persistent-save-interval or --load: no non-persistent "

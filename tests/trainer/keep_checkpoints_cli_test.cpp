@@ -223,6 +223,28 @@ TEST_F(KeepCheckpointsCli, TheDefaultNonPersistentDirectoryIsLockedToo) {
   EXPECT_FALSE(testing::Exists(CheckpointDir(a, 3)));
 }
 
+// SAVE/non_persistent made a symbolic link to --save (or --load) is refused before anything starts: each
+// non-persistent save's cleanup would remove --save's checkpoints but the one its tracker names. (Before: only a
+// --non-persistent-global-ckpt-dir was compared with them; the run removed SAVE's older checkpoints.)
+TEST_F(KeepCheckpointsCli, ANonPersistentDirectoryLinkedToSaveIsRefused) {
+  const std::string s = dir_ / "s", l = dir_ / "l";
+  auto first = RunCmd(Train("--save " + ShellQuote(s) + " --save-interval 1", 2));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::filesystem::create_directory_symlink(s, s + "/non_persistent");
+  std::filesystem::create_directories(l);
+  std::filesystem::create_directory_symlink(s, l + "/non_persistent");
+  const std::string keep = " --non-persistent-ckpt-type global --non-persistent-save-interval 1 ";
+  for (const auto& [flags, says] :
+       {std::pair{"--save " + ShellQuote(s), s + "/non_persistent is --save " + s + " itself"},
+        std::pair{"--save " + ShellQuote(l) + " --load " + ShellQuote(s), l + "/non_persistent is --load " + s}}) {
+    auto r = RunCmd(Train(flags + keep, 2));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage error: " + says), std::string::npos) << flags << "\n" << r.output;
+  }
+  EXPECT_EQ(Iterations(s), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(Tracker(s), "2");
+}
+
 // What makes no sense is refused in one line naming the flag, before anything starts (exit 2).
 TEST_F(KeepCheckpointsCli, NonsenseIsRefusedInOneLine) {
   const std::string s = ShellQuote(dir_ / "s");
