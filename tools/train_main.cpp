@@ -25,6 +25,7 @@
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tools/train_flags.h"
+#include "trainer/checkpoint_retention.h"
 #include "trainer/comm.h"
 #include "trainer/distributed.h"
 #include "trainer/parallel_layout.h"
@@ -99,6 +100,11 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
   PTK_RETURN_IF_ERROR(ptk::CheckLoadIsACheckpointDirectory(o.load));
   PTK_RETURN_IF_ERROR(a_file("--load", o.load));
   PTK_RETURN_IF_ERROR(ptk::CheckSaveHoldsNoMegatronCheckpoint(o.save));
+  // Megatron's own non-persistent checkpoints (a Megatron job's --non-persistent-global-ckpt-dir): their tracker too.
+  PTK_RETURN_IF_ERROR(ptk::CheckSaveHoldsNoMegatronCheckpoint(
+      o.non_persistent_dir, o.non_persistent_dir == ptk::JoinPath(o.save, ptk::kNonPersistentSubdir)
+                                ? "--save's non_persistent directory"
+                                : "--non-persistent-global-ckpt-dir"));
   PTK_RETURN_IF_ERROR(a_file("--pretrained-checkpoint", o.pretrained_checkpoint));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
   // --split's usage error (exit 2) before the data's.

@@ -413,16 +413,16 @@ absl::Status RecoverCheckpointDir(const std::string& save) {
   return NameKilledFirstSave(save);
 }
 
-absl::Status CheckSaveHoldsNoMegatronCheckpoint(const std::string& save) {
+absl::Status CheckSaveHoldsNoMegatronCheckpoint(const std::string& save, std::string_view flag) {
   if (save.empty() || !IsDirectory(save)) return absl::OkStatus();
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
     if (e.path().filename().string().rfind("iter_", 0) != 0 || !e.is_directory(ec)) continue;
     if (std::string torch = MegatronTorchCheckpointIn(e.path().string()); !torch.empty())
       return UsageError(fmt::format(
-          "--save {}: holds a Megatron checkpoint ({}): a ptk-train save writes iter_N/ there and moves the "
+          "{} {}: holds a Megatron checkpoint ({}): a ptk-train save writes iter_N/ there and moves the "
           "latest_checkpointed_iteration.txt Megatron reads to it; give a directory of its own ({} to train on)",
-          save, torch, ConvertHint(save)));
+          flag, save, torch, ConvertHint(save)));
   }
   return absl::OkStatus();
 }

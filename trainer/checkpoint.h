@@ -93,9 +93,10 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
 // --save directory at a time).
 absl::Status RecoverCheckpointDir(const std::string& save);
 
-// A usage error where `save` (--save) holds Megatron's own checkpoints (a ptk-convert export, a Megatron run):
-// a save there would move the latest_checkpointed_iteration.txt Megatron reads to a ptk checkpoint. OK else.
-absl::Status CheckSaveHoldsNoMegatronCheckpoint(const std::string& save);
+// A usage error where `save` (--save, or the flag `flag` that names it) holds Megatron's own checkpoints (a
+// ptk-convert export, a Megatron run): a save there would move the latest_checkpointed_iteration.txt Megatron reads
+// to a ptk checkpoint. OK else.
+absl::Status CheckSaveHoldsNoMegatronCheckpoint(const std::string& save, std::string_view flag = "--save");
 
 // Checks that a checkpoint file is complete: magic, length and its own SHA-256.
 absl::Status VerifyCheckpointFile(const std::string& file);

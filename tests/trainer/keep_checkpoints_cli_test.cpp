@@ -245,6 +245,28 @@ TEST_F(KeepCheckpointsCli, ANonPersistentDirectoryLinkedToSaveIsRefused) {
   EXPECT_EQ(Tracker(s), "2");
 }
 
+// A non-persistent directory holding Megatron's own checkpoints (a Megatron job's, its command line reused) is
+// refused as such a --save is: a save there moved the tracker Megatron reads to ptk's checkpoint. (Before: it
+// was taken.)
+TEST_F(KeepCheckpointsCli, ANonPersistentDirectoryOfMegatronsIsRefused) {
+  const std::string keep = " --non-persistent-ckpt-type global --non-persistent-save-interval 1 ";
+  for (const auto& [np, flags] :
+       {std::pair{dir_ / "m", "--save " + ShellQuote(dir_ / "a") + keep + "--non-persistent-global-ckpt-dir " +
+                                  ShellQuote(dir_ / "m")},
+        std::pair{dir_ / "b/non_persistent", "--save " + ShellQuote(dir_ / "b") + keep}}) {
+    std::filesystem::create_directories(np + "/iter_0000010/mp_rank_00");
+    testing::WriteFile(np + "/latest_checkpointed_iteration.txt", "10");
+    testing::WriteFile(np + "/iter_0000010/mp_rank_00/model_optim_rng.pt", "torch");
+    auto r = RunCmd(Train(flags, 2));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(
+        r.output.find(np + ": holds a Megatron checkpoint (" + np + "/iter_0000010/mp_rank_00/model_optim_rng.pt)"),
+        std::string::npos)
+        << r.output;
+    EXPECT_EQ(Tracker(np), "10");
+  }
+}
+
 // What makes no sense is refused in one line naming the flag, before anything starts (exit 2).
 TEST_F(KeepCheckpointsCli, NonsenseIsRefusedInOneLine) {
   const std::string s = ShellQuote(dir_ / "s");
