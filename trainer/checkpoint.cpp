@@ -26,6 +26,7 @@
 #include "common/progress.h"
 #include "common/status.h"
 #include "trainer/checkpoint_header.h"
+#include "trainer/checkpoint_retention.h"
 
 namespace ptk {
 namespace {
@@ -172,6 +173,21 @@ absl::Status PublishDirectory(const std::string& save, const std::string& tmp_di
   return absl::OkStatus();
 }
 
+// A directory of the iteration about to be saved is replaced (a rerun over a finished run) only when it is ptk's
+// own, or empty, or a symbolic link (the link replaced, never what it points to): one holding anything else (a
+// user's notes, another tool's files) would be deleted with it.
+absl::Status CheckReplaceable(const std::string& final_dir) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::symlink_status(final_dir, ec);
+  if (ec || !std::filesystem::is_directory(st) || IsPtkIterationDir(final_dir) ||
+      std::filesystem::is_empty(final_dir, ec))
+    return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      fmt::format("{}: not replaced by this save: it holds files a ptk save does not write (they would be deleted "
+                  "with it); move them, or the directory, away",
+                  final_dir));
+}
+
 absl::Status WriteTracker(const std::string& save, int64_t iteration) {
   PTK_RETURN_IF_ERROR(Step("write tracker"));
   PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(JoinPath(save, kTracker)));
@@ -270,6 +286,7 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
   const std::string tmp_dir = fmt::format("{}{}{}", final_dir, kTmpTag, ::getpid());
   const std::string old_dir = fmt::format("{}{}{}", final_dir, kOldTag, ::getpid());
   if (shards.empty()) return absl::InternalError("SaveCheckpoint: no arrays");
+  PTK_RETURN_IF_ERROR(CheckReplaceable(final_dir));
   const int tensor_size = shards[0].layout->tensor_size, pipeline_size = shards[0].layout->pipeline_size;
   if (static_cast<int64_t>(shards.size()) != int64_t{tensor_size} * pipeline_size)
     return absl::InternalError("SaveCheckpoint: not one shard per tensor and pipeline rank");

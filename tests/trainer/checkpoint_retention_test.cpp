@@ -109,6 +109,32 @@ TEST(CheckpointRetention, OnlyPtksOwnIterationDirectoriesAreRecognised) {
   EXPECT_EQ(Tag(dir / "s", 10), 1);
 }
 
+// A save of an iteration whose directory holds a user's file besides ptk's (a rerun resuming from an older
+// checkpoint, a non-persistent save meeting the cleanup's survivor) is refused: replacing the directory deleted
+// the file with it. (Before: the save replaced it.) A ptk directory, an empty one or a link is replaced.
+TEST(CheckpointRetention, ASaveNeverReplacesADirectoryHoldingAUsersFiles) {
+  TempDir dir;
+  const std::string s = dir / "s";
+  ASSERT_TRUE(Save(s, 10, 1).ok());
+  Put(dir / "s/iter_0000010/notes.txt", "mine");
+  const absl::Status st = Save(s, 10, 2);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_NE(StatusMessage(st).find("holds files a ptk save does not write"), std::string::npos) << st;
+  EXPECT_TRUE(testing::Exists(dir / "s/iter_0000010/notes.txt"));
+  EXPECT_EQ(Tag(s, 10), 1);
+  EXPECT_EQ(testing::Leftovers(s), "");
+  std::filesystem::remove(dir / "s/iter_0000010/notes.txt");
+  ASSERT_TRUE(Save(s, 10, 3).ok());
+  EXPECT_EQ(Tag(s, 10), 3);
+  std::filesystem::create_directories(dir / "s/iter_0000012");
+  ASSERT_TRUE(Save(s, 12, 4).ok());
+  EXPECT_EQ(Tag(s, 12), 4);
+  std::filesystem::create_directory_symlink(CheckpointDir(s, 10), dir / "s/iter_0000014");
+  ASSERT_TRUE(Save(s, 14, 5).ok());
+  EXPECT_EQ(Tag(s, 14), 5);
+  EXPECT_EQ(Tag(s, 10), 3);  // what the link pointed to is untouched
+}
+
 // A kill at every step of a removal: the checkpoint is whole under its name or gone, and the next
 // run's recovery finishes what was begun; the tracker's checkpoint loads throughout.
 TEST(CheckpointRetention, KillAtEveryStepOfARemovalLeavesWholeOrNothing) {
