@@ -1,6 +1,7 @@
 // Non-persistent checkpoints and --save-retain-interval at the library's level: removals never touch
-// the tracker's checkpoint or a directory ptk did not write, a kill at every step of a removal or of a
-// non-persistent save leaves a loadable checkpoint, and --load picks the newer of the two latest.
+// the tracker's checkpoint or a directory ptk did not write (nor does a save replace one), a bad tracker never
+// costs the newest whole checkpoint, a kill at every step of a removal or of a non-persistent save leaves a
+// loadable checkpoint, and --load picks the newer of the two latest.
 #include "trainer/checkpoint_retention.h"
 
 #include <signal.h>

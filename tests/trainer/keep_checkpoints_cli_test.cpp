@@ -3,7 +3,7 @@
 // one rank, on two data-parallel ranks sharding the optimizer and on two pipeline stages; older
 // non-persistent checkpoints and unretained persistent ones are removed, never another's directory; a
 // tracker naming a deleted checkpoint is refused naming the way out; a second run on a non-persistent
-// directory is refused.
+// directory (SAVE/non_persistent too) is refused, and so is one that is --save by a link or Megatron's.
 #include <filesystem>
 #include <string>
 #include <vector>
