@@ -18,6 +18,7 @@
 
 #include "common/status.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -26,14 +27,7 @@ namespace {
 using testing::TempDir;
 
 ParamLayout SmallLayout() {
-  GPTConfig c;
-  c.num_layers = 1;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
-  c.ffn_hidden_size = 32;
-  c.seq_length = c.max_position_embeddings = 8;
-  c.vocab_size = c.padded_vocab_size = 64;
-  auto layout = ParamLayout::Create(c);
+  auto layout = ParamLayout::Create(testing::SmallGpt(1, 8, 2, 8, 64, 64));
   EXPECT_TRUE(layout.ok()) << layout.status();
   return *layout;
 }
