@@ -192,15 +192,13 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
   auto refuse = [&](const std::string& what) {
     return UsageError(fmt::format(
-        "{} with {}: ptk's mixture-of-experts layers run with data parallelism only for now (tensor, pipeline, context "
-        "and expert parallelism are the next slice)",
+        "{} with {}: ptk's mixture-of-experts layers run with data and pipeline parallelism only for now (tensor, "
+        "context and expert parallelism are the next slice)",
         moe, what));
   };
   if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.pipeline_model_parallel_size > 1 || f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
-    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
   return absl::OkStatus();
 }
