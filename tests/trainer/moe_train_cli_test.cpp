@@ -2,8 +2,9 @@
 // load_balancing_loss, checkpoints under Megatron's expert names that resume bit for bit (the MoE flags
 // taken by --use-checkpoint-args) and refuse other MoE flags as another model, ptk-convert's refusal,
 // data parallelism (plain, --use-distributed-optimizer and --overlap-grad-reduce, ranks as processes
-// over loopback gloo), --dry-run's parameter count against megatron-core's (the golden's tensors), and
-// every feature and combination not implemented refused in one line naming it.
+// over loopback gloo), pipeline stages (1F1B, interleaved, with data ranks), --dry-run's parameter count
+// against megatron-core's (the golden's tensors) and per stage, and every feature and combination not
+// implemented refused in one line naming it.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -166,7 +167,7 @@ std::vector<float> FinalWeights(const std::string& dir, int64_t iteration) {
 // Pipeline stages (ranks as processes over loopback gloo), each holding its layers' experts: P = 2 (stage 0 one
 // MoE layer, stage 1 two), P = 2 interleaved (layers 0 and 2 on stage 0) and P = 2 x D = 2 give one rank's
 // losses, its load_balancing_loss (the stages' MoE layers summed, as Megatron's track_moe_metrics over the
-// pipeline group) and its final weights; a stopped P = 2 run resumes bit for bit.
+// pipeline group) and its final weights; a stopped P = 2 run resumes bit for bit, and on one rank.
 TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
   const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
   auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
@@ -202,11 +203,18 @@ TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
   ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output;
   auto first = Ranks(2, Train(moe + ShellQuote(dir_ / "stop") + pp + " --exit-interval 3", 6, 4));
   ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output;
+  std::filesystem::copy(dir_ / "stop", dir_ / "stop1", std::filesystem::copy_options::recursive);
   auto resumed = Ranks(2, Train(moe + ShellQuote(dir_ / "stop") + pp + " --load " + ShellQuote(dir_ / "stop"), 6, 4));
   ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output;
   const auto a = Lines(whole.output), b = Lines(resumed.output);
   ASSERT_EQ(a.size(), 6u) << whole.output;
   EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  // The P = 2 checkpoint resumed on one rank (the stages put together): one rank's losses.
+  auto one_rank = RunCmd(Train(moe + ShellQuote(dir_ / "stop1") + " --load " + ShellQuote(dir_ / "stop1"), 6, 4));
+  ASSERT_EQ(one_rank.exit_code, 0) << one_rank.output;
+  EXPECT_NE(one_rank.output.find("saved with --pipeline-model-parallel-size 2)"), std::string::npos) << one_rank.output;
+  ASSERT_EQ(Losses(one_rank.output).size(), 3u) << one_rank.output;
+  EXPECT_LT(Worst(Losses(one_rank.output), ref), 1e-5);
   // One file per stage (Megatron's mp_rank_00_PPP).
   EXPECT_TRUE(std::filesystem::exists(dir_ / "stop/iter_0000006/mp_rank_00_001"));
 }
