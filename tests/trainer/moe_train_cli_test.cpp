@@ -165,9 +165,10 @@ std::vector<float> FinalWeights(const std::string& dir, int64_t iteration) {
 }
 
 // Pipeline stages (ranks as processes over loopback gloo), each holding its layers' experts: P = 2 (stage 0 one
-// MoE layer, stage 1 two), P = 2 interleaved (layers 0 and 2 on stage 0) and P = 2 x D = 2 give one rank's
-// losses, its load_balancing_loss (the stages' MoE layers summed, as Megatron's track_moe_metrics over the
-// pipeline group) and its final weights; a stopped P = 2 run resumes bit for bit, and on one rank.
+// MoE layer, stage 1 two), P = 2 interleaved (layers 0 and 2 on stage 0), P = 2 of 1 and 3 layers (stage 0 one
+// MoE layer alone) and P = 2 x D = 2 give one rank's losses, its load_balancing_loss (the stages' MoE layers
+// summed, as Megatron's track_moe_metrics over the pipeline group) and its final weights; a stopped P = 2 run
+// resumes bit for bit, and on one rank.
 TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
   const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
   auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
@@ -180,9 +181,11 @@ TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
     int world;
     const char *flags, *what;
   };
-  for (const Case& c : {Case{2, "", "P=2"}, Case{2, " --num-layers-per-virtual-pipeline-stage 1", "P=2 interleaved"},
-                        Case{4, "", "P=2 x D=2"}}) {
-    const std::string save = dir_ / (std::string("ck") + std::to_string(c.world) + (*c.flags ? "v" : ""));
+  int run = 0;
+  for (const Case& c :
+       {Case{2, "", "P=2"}, Case{2, " --num-layers-per-virtual-pipeline-stage 1", "P=2 interleaved"},
+        Case{2, " --decoder-first-pipeline-num-layers 1", "P=2 uneven (1 and 3 layers)"}, Case{4, "", "P=2 x D=2"}}) {
+    const std::string save = dir_ / ("ck" + std::to_string(run++));
     std::string out;
     ASSERT_NO_FATAL_FAILURE(
         RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --pipeline-model-parallel-size 2" + c.flags, 6, 4),
