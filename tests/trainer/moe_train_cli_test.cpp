@@ -2,9 +2,9 @@
 // load_balancing_loss, checkpoints under Megatron's expert names that resume bit for bit (the MoE flags
 // taken by --use-checkpoint-args) and refuse other MoE flags as another model, ptk-convert's refusal,
 // data parallelism (plain, --use-distributed-optimizer and --overlap-grad-reduce, ranks as processes
-// over loopback gloo), pipeline stages (1F1B, interleaved, with data ranks), --dry-run's parameter count
-// against megatron-core's (the golden's tensors) and per stage, and every feature and combination not
-// implemented refused in one line naming it.
+// over loopback gloo), pipeline stages (1F1B, interleaved, with data ranks), context ranks, --dry-run's
+// parameter count against megatron-core's (the golden's tensors) and per stage, and every feature and
+// combination not implemented refused in one line naming it.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -222,6 +222,41 @@ TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
   EXPECT_TRUE(std::filesystem::exists(dir_ / "stop/iter_0000006/mp_rank_00_001"));
 }
 
+// Context ranks (each a part of every sequence; the router per token, the load-balancing loss's expert counts and
+// token count the whole sequence's, as Megatron's over the tensor x context group): C = 2, C = 2 x D = 2,
+// C = 2 x P = 2 give one rank's losses, load_balancing_loss and final weights.
+TEST_F(MoeTrainCli, ContextRanksTrainAsOneRankDoes) {
+  const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
+  auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = testing::LossesOf(one.output);
+  const auto ref_lb = Balancing(one.output);
+  ASSERT_EQ(ref_lb.size(), 6u) << one.output;
+  const std::vector<float> ref_w = FinalWeights(dir_ / "one", 6);
+  struct Case {
+    int world;
+    const char *flags, *what;
+  };
+  int run = 0;
+  for (const Case& c :
+       {Case{2, "", "C=2"}, Case{4, "", "C=2 x D=2"}, Case{4, " --pipeline-model-parallel-size 2", "C=2 x P=2"}}) {
+    const std::string save = dir_ / ("cp" + std::to_string(run++));
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --context-parallel-size 2" + c.flags, 6, 4), ref, 6,
+                        1e-5, c.what, &out));
+    const auto lb = Balancing(out);
+    ASSERT_EQ(lb.size(), 6u) << out;
+    for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << c.what << " " << i;
+    const std::vector<float> w = FinalWeights(save, 6);
+    ASSERT_EQ(w.size(), ref_w.size()) << c.what;
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref_w[i]));
+    EXPECT_LT(worst, 1e-5) << c.what;
+    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", c.what, worst);
+  }
+}
+
 // megatron-core's parameter count of tests/data/trainer/moe_gelu's model (its golden's tensors).
 TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
   simdjson::dom::parser parser;
@@ -285,7 +320,8 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-layer-freq '[0]*3'", "usage error: --moe-layer-freq [0]*3: no layer is MoE"},
       {moe + " --expert-model-parallel-size 2", "usage error: --num-experts 4 with --expert-model-parallel-size 2:"},
       {moe + " --tensor-model-parallel-size 2", "usage error: --num-experts 4 with --tensor-model-parallel-size 2:"},
-      {moe + " --context-parallel-size 2", "usage error: --num-experts 4 with --context-parallel-size 2:"},
+      {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
+       "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},
       {moe + " --device cuda", "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --dry-run --bf16", "usage error: --num-experts 4 on --device cuda"},
       {moe + " --dry-run --tensor-model-parallel-size 2", "--num-experts 4 with --tensor-model-parallel-size 2"},
