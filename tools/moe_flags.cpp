@@ -192,16 +192,22 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
   auto refuse = [&](const std::string& what) {
     return UsageError(fmt::format(
-        "{} with {}: ptk's mixture-of-experts layers run with data parallelism only for now (tensor, pipeline, context "
-        "and expert parallelism are the next slice)",
+        "{} with {}: ptk's mixture-of-experts layers run with data, pipeline and context parallelism only for now "
+        "(tensor and expert parallelism are the next slice)",
         moe, what));
   };
   if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.pipeline_model_parallel_size > 1 || f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
-    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
-  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+  const TrainFlags::Moe& m = f.moe;
+  const bool aux = !m.aux_loss_coeff.empty() && m.aux_loss_coeff[0] > 0 &&
+                   (m.load_balancing_type.empty() || m.load_balancing_type[0] != "none");
+  if (aux && f.context_parallel_size > 1 && f.options.optimizer.calculate_per_token_loss)
+    return UsageError(fmt::format(
+        "{} with --context-parallel-size {} and --calculate-per-token-loss: Megatron scales each context rank's "
+        "load-balancing loss gradient by its own tokens (1/{} of one rank's); ptk has not checked that against "
+        "Megatron and refuses it (drop one of them, or --moe-aux-loss-coeff 0)",
+        moe, f.context_parallel_size, f.context_parallel_size));
   return absl::OkStatus();
 }
 

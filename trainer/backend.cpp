@@ -116,12 +116,9 @@ cuda::ModelOptions CudaModuleOptions(const BackendOptions& backend) {
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   // The MoE layers are the CPU passes' (cpu_moe_layer.cpp): ptk-train refuses the rest by flag first.
-  if (config.moe() && (backend.device != Device::kCpu || backend.pipeline_stage.size > 1 ||
-                       (backend.context_comm && backend.context_comm->size() > 1)))
-    return absl::UnimplementedError(fmt::format(
-        "num_experts {}: the mixture-of-experts layers run on the CPU backend, one pipeline stage and one context "
-        "rank",
-        config.num_experts));
+  if (config.moe() && backend.device != Device::kCpu)
+    return absl::UnimplementedError(
+        fmt::format("num_experts {}: the mixture-of-experts layers run on the CPU backend", config.num_experts));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/parallel_params.h"
+#include "trainer/param_layout.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace ptk {
@@ -181,7 +182,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   for (int p = 0; p < P; ++p) {
     StageMemory st;
     st.layers = stage_layers[p];
-    st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers);
+    st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers, MoeLayersOnStage(m, StageOf(stage_layers, p, V)));
     st.in_flight = V > 1 ? std::min<int64_t>((P - p - 1) * 2 + int64_t{V - 1} * N + 1, V * plan.micro_batches)
                          : std::min<int64_t>(P - p, plan.micro_batches);
     // In micro-batches of the whole stage: a virtual micro-batch holds one chunk's layers.

@@ -71,7 +71,8 @@ absl::Status CheckTensorSplit(const GPTConfig& c, int tensor) {
   return absl::OkStatus();
 }
 
-int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, int stage, int64_t layers_on_stage) {
+int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, int stage, int64_t layers_on_stage,
+                                  int64_t moe_layers_on_stage) {
   PTK_CHECK(tensor >= 1 && pipeline >= 1 && stage >= 0 && stage < pipeline);
   PTK_CHECK(c.padded_vocab_size % tensor == 0);
   const int64_t h = c.hidden_size, t = tensor;
@@ -92,10 +93,12 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
                         + h * ffn / t + bias * h;                     // row-parallel fc2, bias whole
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
-  if (c.moe()) {  // one tensor rank, one stage (ptk-train refuses more): each MoE layer's router and experts
-    PTK_CHECK(tensor == 1 && pipeline == 1 && layers_on_stage == c.num_layers);
-    n -= c.moe_layers() * (fc1 * h + h * ffn);  // the dense MLP they hold instead (no biases with experts)
-    n += c.moe_layers() * (c.num_experts * h + c.num_experts * c.expert_floats());
+  if (c.moe()) {  // one tensor rank (ptk-train refuses more): each MoE layer's router and experts
+    PTK_CHECK(tensor == 1 && (moe_layers_on_stage >= 0 || layers_on_stage == c.num_layers));
+    const int64_t moe = moe_layers_on_stage >= 0 ? moe_layers_on_stage : c.moe_layers();
+    PTK_CHECK(moe <= layers_on_stage);
+    n -= moe * (fc1 * h + h * ffn);  // the dense MLP they hold instead (no biases with experts)
+    n += moe * (c.num_experts * h + c.num_experts * c.expert_floats());
   }
   const bool first = stage == 0, last = stage == pipeline - 1;
   if (first) n += vocab_slice;

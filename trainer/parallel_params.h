@@ -32,9 +32,11 @@ absl::Status CheckTensorSplit(const GPTConfig& config, int tensor);
 // weight alone, no biases under --disable-bias-linear, no position embeddings under RoPE);
 // the first stage the word (its vocabulary slice) and position embeddings, the last the final
 // LayerNorm and the output layer: its own copy of the word embeddings' slice when tied and P > 1,
-// the untied output layer's slice when untied, nothing more when tied on one stage.
-int64_t ParamsOnModelParallelRank(const GPTConfig& config, int tensor, int pipeline, int stage,
-                                  int64_t layers_on_stage);
+// the untied output layer's slice when untied, nothing more when tied on one stage. With experts (one
+// tensor rank) `moe_layers_on_stage` of the stage's layers hold a router and experts instead of the
+// dense MLP (MoeLayersOnStage; -1: the model's MoE layers, for a stage holding every layer).
+int64_t ParamsOnModelParallelRank(const GPTConfig& config, int tensor, int pipeline, int stage, int64_t layers_on_stage,
+                                  int64_t moe_layers_on_stage = -1);
 
 // " > number of parameters on (tensor, pipeline) model parallel rank (4, 0): 941594624"
 std::string ParamCountLine(int tensor_rank, int pipeline_rank, int64_t num_params);

@@ -110,6 +110,18 @@ PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank, int vi
   return s;
 }
 
+int64_t MoeLayersOnStage(const GPTConfig& config, const PipelineStage& stage) {
+  if (!config.moe()) return 0;
+  const int64_t n = stage.num_layers < 0 ? config.num_layers : stage.num_layers;
+  const int V = std::max(stage.virtual_size, 1);
+  const int64_t per_chunk = n / V;
+  int64_t moe = 0;
+  for (int v = 0; v < V; ++v)  // chunk v: virtual stage v * size + rank (CutStage's)
+    for (int64_t i = 0; i < per_chunk; ++i)
+      moe += config.moe_layer(stage.first_layer + int64_t{v} * stage.size * per_chunk + i) ? 1 : 0;
+  return moe;
+}
+
 namespace {
 // A pipeline stage's tensors taken from the whole model's, in its order, at new offsets.
 absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineStage& stage) {

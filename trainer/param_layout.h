@@ -169,6 +169,9 @@ struct PipelineStage {
 // Stage `rank` of the stages whose layer counts are `stage_layers` (PipelineStageLayers), in
 // `virtual_size` model chunks (even stages only).
 PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank, int virtual_size = 1);
+// The mixture-of-experts layers among `stage`'s (its chunks' layers, as ParamLayout cuts them); 0 for a
+// dense model.
+int64_t MoeLayersOnStage(const GPTConfig& config, const PipelineStage& stage);
 
 // Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer; -1 for
 // a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm, the query

@@ -101,8 +101,9 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   local[2] = losses.load_balancing_loss;
   PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 3));
-  // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
-  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
+  // Pipeline parallelism: the last stage's loss to every stage (the others add zeros), and the stages'
+  // load-balancing losses added up (Megatron's reduce_aux_losses_tracker_across_ranks: over the pipeline group).
+  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 3));
   r.loss_sum = local[0];
   r.tokens = local[1];
   // Megatron's track_moe_metrics: each layer's sum over the micro-batches over their number,
@@ -124,6 +125,11 @@ absl::StatusOr<LossSum> TrainStep::ForwardBackwardPipelined(const std::vector<Mo
                                                             uint64_t seed, bool* armed) {
   std::vector<double> scales;
   for (const double scale : scale_of) scales.push_back(scale * loss_scale);
+  // The MoE layers' load-balancing loss scale, read by each backward: the same for every micro-batch of a step
+  // (the loss scale over the micro-batches and ranks, or with --calculate-per-token-loss the micro-batch's
+  // b x t tokens, all alike, over the global batch's loss tokens), so set once for the schedule.
+  if (!micro_batches.empty())
+    model_->SetMoeAuxLossScale(MoeAuxLossScale(micro_batches[0], scale_of[0], loss_scale, micro_batches.size()));
   std::function<absl::Status()> arm;
   if (!buckets_.empty())
     arm = [&]() -> absl::Status {

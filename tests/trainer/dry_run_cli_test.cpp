@@ -211,7 +211,7 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
        "usage error: --num-experts without --disable-bias-linear: ptk's MoE layers have no biases"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --tensor-model-parallel-size 2",
        "usage error: --num-experts 8 with --tensor-model-parallel-size 2: ptk's mixture-of-experts layers run with "
-       "data parallelism only"},
+       "data, pipeline and context parallelism only"},
   };
   for (const Case& c : cases) {
     auto r = RunCmd(c.env + " " + model + " " + c.flags);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/core.h>
@@ -20,6 +21,8 @@
 #include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
+#include "trainer/parallel_params.h"
+#include "trainer/param_layout.h"
 #include "trainer/train_step.h"
 
 namespace ptk {
@@ -181,9 +184,9 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   BackendOptions cuda;
   cuda.device = Device::kCuda;
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
-  BackendOptions stage;
+  BackendOptions stage;  // pipeline stages hold their layers' experts
   stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
-  EXPECT_EQ(CreateModel(c, stage).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(CreateModel(c, stage).ok());
   EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
   EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
   c.add_bias_linear = true;  // the experts have no biases
@@ -191,6 +194,35 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   c.add_bias_linear = false;
   c.moe_router_topk = 5;  // more than the experts
   EXPECT_FALSE(ParamLayout::Create(c).ok());
+}
+
+// --dry-run's count per pipeline stage (ParamsOnModelParallelRank with the stage's MoE layers) is what each
+// stage's layout holds: P = 2 with two layers each, P = 2 interleaved (layers 0 and 2 on stage 0), P = 4.
+TEST(MoeModel, EachStageHoldsItsLayersExpertsAsTheDryRunCounts) {
+  GPTConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 16;
+  c.seq_length = c.max_position_embeddings = 4;
+  c.vocab_size = c.padded_vocab_size = 16;
+  c.add_bias_linear = false;
+  c.num_experts = 3;
+  c.moe_ffn_hidden_size = 6;
+  c.moe_layer_pattern = {1, 0, 1, 1};
+  for (const auto& [P, V, moe] :
+       {std::tuple{2, 1, std::vector<int64_t>{1, 2}}, std::tuple{2, 2, std::vector<int64_t>{2, 1}},
+        std::tuple{4, 1, std::vector<int64_t>{1, 0, 1, 1}}}) {
+    const std::vector<int64_t> layers(static_cast<size_t>(P), c.num_layers / P);
+    for (int p = 0; p < P; ++p) {
+      const PipelineStage st = StageOf(layers, p, V);
+      EXPECT_EQ(MoeLayersOnStage(c, st), moe[static_cast<size_t>(p)]) << P << " " << V << " " << p;
+      auto layout = ParamLayout::Create(c, 1, 0, st);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      EXPECT_EQ(layout->num_params, ParamsOnModelParallelRank(c, 1, P, p, layers[0], MoeLayersOnStage(c, st)))
+          << P << " " << V << " " << p;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,

@@ -2,8 +2,11 @@
 // load_balancing_loss, checkpoints under Megatron's expert names that resume bit for bit (the MoE flags
 // taken by --use-checkpoint-args) and refuse other MoE flags as another model, ptk-convert's refusal,
 // data parallelism (plain, --use-distributed-optimizer and --overlap-grad-reduce, ranks as processes
-// over loopback gloo), --dry-run's parameter count against megatron-core's (the golden's tensors), and
-// every feature and combination not implemented refused in one line naming it.
+// over loopback gloo), pipeline stages (1F1B, interleaved, with data ranks), context ranks, --dry-run's
+// parameter count against megatron-core's (the golden's tensors) and per stage, and every feature and
+// combination not implemented refused in one line naming it.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <regex>
@@ -30,10 +33,11 @@ constexpr char kMoe[] =
 class MoeTrainCli : public testing::RanksTest {
  protected:
   MoeTrainCli() : RanksTest(testing::kSmallVocabEod) {}
-  // 2 layers (the second MoE with --moe-layer-freq 2 where given); global batch 4 of micro-batches of 1.
-  std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+  // 2 layers (`layers`; the second dense with --moe-layer-freq 2 where given); global batch 4 of micro-batches
+  // of 1.
+  std::string Train(const std::string& extra, int64_t iters = 6, int layers = 2) {
+    return testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
+           " --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
            testing::SmallVocabFlags() +
            " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
@@ -141,6 +145,118 @@ TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
   EXPECT_EQ(testing::LogLinesWithoutTimes(plain), testing::LogLinesWithoutTimes(overlap));
 }
 
+// The parameters of DIR's checkpoint of `iteration` (a 4-layer [1,0,1,1] model), the stages put together.
+std::vector<float> FinalWeights(const std::string& dir, int64_t iteration) {
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.num_layers = 4;
+  c.add_bias_linear = false;
+  c.gelu_exact = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  c.moe_aux_loss_coeff = 0.01;
+  c.moe_layer_pattern = {1, 0, 1, 1};
+  auto layout = ParamLayout::Create(c);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status s = LoadCheckpoint(dir, iteration, *layout, &p, &m, &v, &st);
+  EXPECT_TRUE(s.ok()) << s;
+  return p;
+}
+
+// Pipeline stages (ranks as processes over loopback gloo), each holding its layers' experts: P = 2 (stage 0 one
+// MoE layer, stage 1 two), P = 2 interleaved (layers 0 and 2 on stage 0), P = 2 of 1 and 3 layers (stage 0 one
+// MoE layer alone) and P = 2 x D = 2 give one rank's losses, its load_balancing_loss (the stages' MoE layers
+// summed, as Megatron's track_moe_metrics over the pipeline group) and its final weights; a stopped P = 2 run
+// resumes bit for bit, and on one rank.
+TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
+  const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
+  auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = testing::LossesOf(one.output);
+  const auto ref_lb = Balancing(one.output);
+  ASSERT_EQ(ref_lb.size(), 6u) << one.output;
+  const std::vector<float> ref_w = FinalWeights(dir_ / "one", 6);
+  struct Case {
+    int world;
+    const char *flags, *what;
+  };
+  int run = 0;
+  for (const Case& c :
+       {Case{2, "", "P=2"}, Case{2, " --num-layers-per-virtual-pipeline-stage 1", "P=2 interleaved"},
+        Case{2, " --decoder-first-pipeline-num-layers 1", "P=2 uneven (1 and 3 layers)"}, Case{4, "", "P=2 x D=2"}}) {
+    const std::string save = dir_ / ("ck" + std::to_string(run++));
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --pipeline-model-parallel-size 2" + c.flags, 6, 4),
+                        ref, 6, 1e-5, c.what, &out));
+    const auto lb = Balancing(out);
+    ASSERT_EQ(lb.size(), 6u) << out;
+    for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << c.what << " " << i;
+    const std::vector<float> w = FinalWeights(save, 6);
+    ASSERT_EQ(w.size(), ref_w.size()) << c.what;
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref_w[i]));
+    EXPECT_LT(worst, 1e-5) << c.what;
+    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", c.what, worst);
+  }
+  // Stopped at iteration 3 and resumed at P = 2: the uninterrupted P = 2 run's last lines, character for character.
+  const std::string pp = " --pipeline-model-parallel-size 2";
+  auto whole = Ranks(2, Train(moe + ShellQuote(dir_ / "whole") + pp, 6, 4));
+  ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output;
+  auto first = Ranks(2, Train(moe + ShellQuote(dir_ / "stop") + pp + " --exit-interval 3", 6, 4));
+  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output;
+  std::filesystem::copy(dir_ / "stop", dir_ / "stop1", std::filesystem::copy_options::recursive);
+  auto resumed = Ranks(2, Train(moe + ShellQuote(dir_ / "stop") + pp + " --load " + ShellQuote(dir_ / "stop"), 6, 4));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output;
+  const auto a = Lines(whole.output), b = Lines(resumed.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  // The P = 2 checkpoint resumed on one rank (the stages put together): one rank's losses.
+  auto one_rank = RunCmd(Train(moe + ShellQuote(dir_ / "stop1") + " --load " + ShellQuote(dir_ / "stop1"), 6, 4));
+  ASSERT_EQ(one_rank.exit_code, 0) << one_rank.output;
+  EXPECT_NE(one_rank.output.find("saved with --pipeline-model-parallel-size 2)"), std::string::npos) << one_rank.output;
+  ASSERT_EQ(Losses(one_rank.output).size(), 3u) << one_rank.output;
+  EXPECT_LT(Worst(Losses(one_rank.output), ref), 1e-5);
+  // One file per stage (Megatron's mp_rank_00_PPP).
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "stop/iter_0000006/mp_rank_00_001"));
+}
+
+// Context ranks (each a part of every sequence; the router per token, the load-balancing loss's expert counts and
+// token count the whole sequence's, as Megatron's over the tensor x context group): C = 2, C = 2 x D = 2,
+// C = 2 x P = 2 give one rank's losses, load_balancing_loss and final weights.
+TEST_F(MoeTrainCli, ContextRanksTrainAsOneRankDoes) {
+  const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
+  auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = testing::LossesOf(one.output);
+  const auto ref_lb = Balancing(one.output);
+  ASSERT_EQ(ref_lb.size(), 6u) << one.output;
+  const std::vector<float> ref_w = FinalWeights(dir_ / "one", 6);
+  struct Case {
+    int world;
+    const char *flags, *what;
+  };
+  int run = 0;
+  for (const Case& c :
+       {Case{2, "", "C=2"}, Case{4, "", "C=2 x D=2"}, Case{4, " --pipeline-model-parallel-size 2", "C=2 x P=2"}}) {
+    const std::string save = dir_ / ("cp" + std::to_string(run++));
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --context-parallel-size 2" + c.flags, 6, 4), ref, 6,
+                        1e-5, c.what, &out));
+    const auto lb = Balancing(out);
+    ASSERT_EQ(lb.size(), 6u) << out;
+    for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << c.what << " " << i;
+    const std::vector<float> w = FinalWeights(save, 6);
+    ASSERT_EQ(w.size(), ref_w.size()) << c.what;
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref_w[i]));
+    EXPECT_LT(worst, 1e-5) << c.what;
+    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", c.what, worst);
+  }
+}
+
 // megatron-core's parameter count of tests/data/trainer/moe_gelu's model (its golden's tensors).
 TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
   simdjson::dom::parser parser;
@@ -152,15 +268,24 @@ TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
       n *= int64_t(d);
     megatron += n;
   }
-  auto r = RunCmd("WORLD_SIZE=2 " + testing::Tool("ptk-train") +
-                  " --dry-run --num-layers 3 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
-                  " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
-                  " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4 --train-iters 1"
-                  " --lr 1e-3 --disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 12"
-                  " --moe-layer-freq '[1,0,1]'");
+  const std::string cmd = "WORLD_SIZE=2 " + testing::Tool("ptk-train") +
+                          " --dry-run --num-layers 3 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
+                          " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
+                          " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
+                          " --train-iters 1 --lr 1e-3 --disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 12"
+                          " --moe-layer-freq '[1,0,1]'";
+  auto r = RunCmd(cmd);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
                                                                                                     << r.output;
+  // Two stages (layers 0-1 and 2): each counts its own layers' experts. Stage 0: the embeddings (40 x 16 + 8 x 16),
+  // MoE layer 0 (two LayerNorms 64, QKV 768, projection 256, router 4 x 16, experts 4 x 2 x 12 x 16) and dense
+  // layer 1 (64 + 768 + 256 + fc1 and fc2 2 x 24 x 16): 768 + 2688 + 1856.
+  auto pp = RunCmd(cmd + " --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2");
+  ASSERT_EQ(pp.exit_code, 0) << pp.output;
+  EXPECT_NE(pp.output.find("model parallel rank (0, 0): 5312\n"), std::string::npos) << pp.output;
+  EXPECT_NE(pp.output.find("model parallel rank (0, 1): " + std::to_string(megatron - 5312) + "\n"), std::string::npos)
+      << pp.output;
 }
 
 TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
@@ -195,8 +320,8 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-layer-freq '[0]*3'", "usage error: --moe-layer-freq [0]*3: no layer is MoE"},
       {moe + " --expert-model-parallel-size 2", "usage error: --num-experts 4 with --expert-model-parallel-size 2:"},
       {moe + " --tensor-model-parallel-size 2", "usage error: --num-experts 4 with --tensor-model-parallel-size 2:"},
-      {moe + " --pipeline-model-parallel-size 3", "--num-experts 4 with --pipeline-model-parallel-size 3:"},
-      {moe + " --context-parallel-size 2", "usage error: --num-experts 4 with --context-parallel-size 2:"},
+      {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
+       "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},
       {moe + " --device cuda", "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --dry-run --bf16", "usage error: --num-experts 4 on --device cuda"},
       {moe + " --dry-run --tensor-model-parallel-size 2", "--num-experts 4 with --tensor-model-parallel-size 2"},

@@ -2,6 +2,10 @@
 // the layer's router and experts over the pre-MLP norm's output (trainer/cpu/moe_cpu.h), the
 // load-balancing loss's value kept for the log and its gradient injected with the step's scale,
 // as Megatron's MoEAuxLossAutoScaler does.
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cpu/moe_cpu.h"
@@ -23,7 +27,7 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
 }
 }  // namespace
 
-void CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train) {
+absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const cpu::MoeSettings s = MoeSettingsOf(cf);
@@ -32,7 +36,19 @@ void CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, boo
   cpu::MoeRouterForward(&m, a.ln2[l].data(), P + lp.router_w, n, cf.hidden_size, s);
   cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
   // Megatron tracks (and injects) the load-balancing loss only in training passes with a coefficient.
-  if (train && cf.moe_aux_loss_coeff > 0) moe_aux_sum_ += cpu::MoeAuxLoss(m, s);
+  if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
+  if (cp()) {  // the experts' token counts over the whole sequence (Megatron's over the tensor x context group)
+    std::vector<double> counts(static_cast<size_t>(s.experts) + 1);
+    for (int64_t e = 0; e < s.experts; ++e)
+      counts[static_cast<size_t>(e)] = static_cast<double>(m.begin[e + 1] - m.begin[e]);
+    counts.back() = static_cast<double>(n);
+    PTK_RETURN_IF_ERROR(context_comm_->AllReduceSum(counts.data(), s.experts + 1));
+    m.group_n = counts.back();
+    counts.pop_back();
+    m.group_count = std::move(counts);
+  }
+  moe_aux_sum_ += cpu::MoeAuxLoss(m, s);  // with context ranks this rank's part: their sum is the sequence's
+  return absl::OkStatus();
 }
 
 void CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool train) {

@@ -111,10 +111,8 @@ void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T
   if (aux_unit != 0) {
     T all = 0, dot = 0;
     for (int64_t e = 0; e < E; ++e) all += g[e];
-    for (int64_t e = 0; e < E; ++e)
-      dot += sc[e] * static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e]));
-    for (int64_t e = 0; e < E; ++e)
-      ds[e] += (static_cast<T>(aux_unit * static_cast<double>(a.begin[e + 1] - a.begin[e])) - dot) / (all + T(1e-20));
+    for (int64_t e = 0; e < E; ++e) dot += sc[e] * static_cast<T>(aux_unit * a.AuxCount(e));
+    for (int64_t e = 0; e < E; ++e) ds[e] += (static_cast<T>(aux_unit * a.AuxCount(e)) - dot) / (all + T(1e-20));
   }
   for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
 }
@@ -126,6 +124,7 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
   const int64_t E = s.experts, K = s.topk;
   PTK_CHECK(E >= 1 && K >= 1 && K <= E);
   a->n = n;
+  a->group_count.clear();
   a->logits.resize(static_cast<size_t>(n * E));
   a->scores.resize(static_cast<size_t>(n * E));
   a->prob.resize(static_cast<size_t>(n * K));
@@ -164,9 +163,10 @@ double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s) {
   for (int64_t e = 0; e < E; ++e) {
     T col = 0;  // the scores' sum over the tokens (probs.sum(dim=0))
     for (int64_t i = 0; i < n; ++i) col += a.scores[i * E + e];
-    sum += static_cast<double>(col) * static_cast<double>(a.begin[e + 1] - a.begin[e]);
+    sum += static_cast<double>(col) * a.AuxCount(e);
   }
-  return sum * static_cast<double>(E) / (static_cast<double>(K) * static_cast<double>(n) * static_cast<double>(n));
+  const double N = a.AuxTokens();
+  return sum * static_cast<double>(E) / (static_cast<double>(K) * N * N);
 }
 
 template <typename T>
@@ -203,7 +203,7 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad)
   const int64_t n = a->n, E = s.experts, K = s.topk;
   a->dlogits.assign(static_cast<size_t>(n * E), T{0});
   std::vector<T> d(static_cast<size_t>(std::max(E, K)));
-  const double aux_unit = aux_grad * static_cast<double>(E) / (static_cast<double>(K) * n * n);
+  const double N = a->AuxTokens(), aux_unit = aux_grad * static_cast<double>(E) / (static_cast<double>(K) * N * N);
   for (int64_t i = 0; i < n; ++i) {
     T* dz = a->dlogits.data() + i * E;
     const T* sc = a->scores.data() + i * E;
@@ -223,8 +223,7 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad)
       for (int64_t k = 0; k < K; ++k) dz[chosen[k]] += top[k];
     }
     if (aux_grad == 0) continue;
-    for (int64_t e = 0; e < E; ++e)
-      d[e] = static_cast<T>(aux_unit * static_cast<double>(a->begin[e + 1] - a->begin[e]));
+    for (int64_t e = 0; e < E; ++e) d[e] = static_cast<T>(aux_unit * a->AuxCount(e));
     SoftmaxBackwardAdd(dz, sc, d.data(), E);
   }
 }

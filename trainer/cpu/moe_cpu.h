@@ -8,6 +8,7 @@
 // (switch_load_balancing_loss_func) and its gradient. With sigmoid, Megatron's sigmoid score function.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -43,13 +44,25 @@ struct MoeActivations {
   std::vector<int64_t> order, begin;
   std::vector<T> x, fc1, act, scaled;  // per row: the input (c), fc1's output, the activation, x prob
   std::vector<T> out, dout, dact, dfc1, dx, dprob, dlogits;  // per row scratch, and (n, K), (n, E) gradients
+  // Context parallelism: the tokens each expert got over the context group's ranks (E of them) and the group's
+  // tokens, Megatron's global_tokens_per_expert and total_num_tokens: the load-balancing loss's counts (its
+  // value and gradient then this rank's part of the whole sequence's). Empty (MoeRouterForward clears it): this
+  // rank's own.
+  std::vector<double> group_count;
+  double group_n = 0;
+  double AuxCount(int64_t e) const {
+    return group_count.empty() ? static_cast<double>(begin[e + 1] - begin[e])
+                               : group_count[static_cast<std::size_t>(e)];
+  }
+  double AuxTokens() const { return group_count.empty() ? static_cast<double>(n) : group_n; }
 };
 
 // The router and the dispatch: `a` sized and filled from x (n, c) and the router's weight (E, c).
 template <typename T>
 void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64_t n, int64_t c, const MoeSettings& s);
 // The load-balancing loss of the pass without its coefficient (what Megatron logs as
-// load_balancing_loss): E / (K n^2) · sum_e (sum over tokens of scores[., e]) · (tokens sent to e).
+// load_balancing_loss): E / (K n^2) · sum_e (sum over tokens of scores[., e]) · (tokens sent to e); n and
+// the counts the context group's where `a` holds them (group_count).
 template <typename T>
 double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s);
 // The experts: out (n, c) assigned, from x (n, c) and the experts' weights (E x expert_floats).

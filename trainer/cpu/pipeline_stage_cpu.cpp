@@ -45,11 +45,14 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), chunk_pre_process() ? 0 : nc));
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), chunk_post_process() ? 0 : nc));
   if (!chunk_pre_process()) std::copy(input.begin(), input.end(), a.resid[chunk_layer_begin()].begin());
+  moe_aux_sum_ = 0;  // this chunk's MoE layers' load-balancing losses (every stage reports its own)
   PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
+  LossSum aux;
+  aux.load_balancing_loss = moe_aux_sum_;
   if (!chunk_post_process()) {
     const std::vector<float>& out = a.resid[chunk_layer_end()];
     std::copy(out.begin(), out.end(), output.begin());
-    return LossSum{};
+    return aux;
   }
   if (logits && tp())  // the whole rows, gathered from the ranks' slices (text samples)
     PTK_RETURN_IF_ERROR(cpu::GatherVocabParallelLogits(a.logits.data(), n, config().padded_vocab_size / tensor_size(),
@@ -63,7 +66,9 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   // The fused loss leaves the logits' gradient in place for StageBackward (as ForwardBackward).
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * *loss_scale);
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
-  return SumLosses(a.losses, batch.loss_mask, n);
+  LossSum s = SumLosses(a.losses, batch.loss_mask, n);
+  s.load_balancing_loss = aux.load_balancing_loss;
+  return s;
 }
 
 absl::Status CpuGPTModel::StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
