@@ -1,6 +1,7 @@
 // ptk-convert's MixtralForCausalLM mapping, without transformers (hf_mixtral_test.py runs the exported model in
 // it): the router and each expert's w1/w3 (linear_fc1's [gate; up]) and w2 at their ptk offsets, Mixtral's
-// state_dict order, config.json's keys, and every setting Mixtral cannot compute refused naming it.
+// state_dict order, config.json's keys, and every setting Mixtral cannot compute refused naming it; a MoE
+// checkpoint's header read back whole by LoadPtkCheckpoint (a bad one refused naming the file).
 #include <algorithm>
 #include <map>
 #include <string>
@@ -8,7 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include "common/atomic_file.h"
+#include "common/file_io.h"
 #include "interop/hf_mixtral.h"
+#include "tests/interop/hf_convert_fixture.h"
 
 namespace ptk::hf_detail {
 namespace {
@@ -137,6 +141,39 @@ TEST(HfMixtral, WhatMixtralCannotComputeIsRefusedNamingIt) {
         << msg;
     EXPECT_NE(msg.find(k.reason), std::string::npos) << msg;
   }
+}
+
+class HfMixtralLoad : public ptk::testing::HfConvertFixture {};
+
+TEST_F(HfMixtralLoad, TheCheckpointsExpertsAreReadBackAndABadHeaderIsRefused) {
+  GPTConfig c = Mixtral();
+  c.moe_router_topk = 3;
+  c.moe_router_pre_softmax = true;
+  c.moe_layer_pattern = {1, 0};
+  const std::string dir = dir_ / "ck";
+  SaveModel(c, dir, 2, {{"--vocab-size", "20"}, {"--moe-aux-loss-coeff", "0.05"}});
+  auto ck = LoadPtkCheckpoint(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_EQ(ck->config.num_experts, 4);
+  EXPECT_EQ(ck->config.moe_router_topk, 3);
+  EXPECT_EQ(ck->config.moe_ffn(), 6);
+  EXPECT_TRUE(ck->config.moe_router_pre_softmax);
+  EXPECT_FALSE(ck->config.moe_router_sigmoid);
+  EXPECT_EQ(ck->config.moe_layer_pattern, (std::vector<int>{1, 0}));
+  EXPECT_EQ(ck->config.moe_aux_loss_coeff, 0.05);
+  EXPECT_EQ(ck->params, params_);
+  // A header whose moe_layer_freq is no list of 0 and 1: refused naming the file (it was read as dense layers).
+  auto text = ReadFileToString(ck->file);
+  ASSERT_TRUE(text.ok());
+  const size_t at = text->find("\"moe_layer_freq\": \"[1,0]\"");
+  ASSERT_NE(at, std::string::npos);
+  (*text)[at + std::string("\"moe_layer_freq\": \"[1,").size()] = 'x';
+  ASSERT_TRUE(WriteFileAtomic(ck->file, *text).ok());
+  auto bad = LoadPtkCheckpoint(dir);
+  ASSERT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
+  EXPECT_NE(bad.status().message().find(ck->file + ": the header's description of the mixture of experts"),
+            std::string::npos)
+      << bad.status();
 }
 
 }  // namespace
