@@ -74,7 +74,9 @@ with tempfile.TemporaryDirectory() as tmp:
     ck, hf = os.path.join(tmp, "ck"), os.path.join(tmp, "hf")
     prompt_ids = [464, 2106, 286, 262]
     run(TRAIN + MIXTRAL + ["--train-iters", "20", "--save", ck])
-    export(ck, hf)
+    out = export(ck, hf)
+    check(": 2 layers, hidden 64, 4 heads, 4 experts of ffn 40 (top 2), 1024 positions, vocabulary 50257" in out,
+          "the summary line: " + out)
     model = load_hf(hf)
     compare_logits(ck, model, SEQS, 50257, tmp, "mixtral")
     config = json.load(open(os.path.join(hf, "config.json")))
