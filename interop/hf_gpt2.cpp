@@ -26,6 +26,7 @@
 #include "interop/hf_export_dir.h"
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
+#include "interop/hf_mixtral.h"
 #include "interop/hf_shards.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
@@ -229,8 +230,13 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   const GPTConfig& c = ck.config;
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
-  const bool llama = !c.gpt3();
-  if (llama) PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
+  // A mixture of experts goes to MixtralForCausalLM where it can.
+  const bool llama = !c.gpt3() || c.moe();
+  if (c.moe()) {
+    PTK_RETURN_IF_ERROR(hf_detail::CheckMixtralExportable(c, ck.file));
+  } else if (llama) {
+    PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
+  }
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   std::vector<float>& params = ck.params;
   if (c.apply_layernorm_1p) {
@@ -249,8 +255,12 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(std::string merges_txt, ReadOrDefault(o.merge_file, Gpt2Tokenizer::DefaultMergesTxt()));
   const int64_t eod = tokenizer->eod();
 
-  std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
-  if (llama) {
+  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MixtralTensorsOf(c)
+                                  : llama ? hf_detail::LlamaTensorsOf(c)
+                                          : HfTensorsOf(c);
+  if (c.moe()) {
+    hf_detail::MapMixtralParams(layout, &params, &tensors);
+  } else if (llama) {
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/true);
   } else {
     MapParams(layout, &params, &tensors, /*to_hf=*/true);
@@ -269,7 +279,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
   HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
   if (llama) {
-    text.config = hf_detail::LlamaConfigJson(c, eod);
+    text.config = c.moe() ? hf_detail::MixtralConfigJson(c, eod) : hf_detail::LlamaConfigJson(c, eod);
     if (c.use_rope_scaling && c.max_position_embeddings <= 8192)
       s.notes.push_back(fmt::format(
           "--max-position-embeddings {} is not above Llama 3.1's original context (8192): transformers warns about "
@@ -277,7 +287,10 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
           c.max_position_embeddings));
     if (c.hidden_dropout != 0)
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
-                                    Num(c.hidden_dropout), c.qk_layernorm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
+                                    Num(c.hidden_dropout),
+                                    c.moe()          ? "MixtralForCausalLM"
+                                    : c.qk_layernorm ? "Qwen3ForCausalLM"
+                                                     : "LlamaForCausalLM"));
   }
   PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, max_shard_size, text));
   s.destination = dir;

@@ -140,12 +140,14 @@ std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
       t.push_back({p + "self_attn.q_norm.weight", {hd}, {}});
       t.push_back({p + "self_attn.k_norm.weight", {hd}, {}});
     }
-    for (const char* name : {"gate_proj", "up_proj"}) {
-      t.push_back({p + "mlp." + name + ".weight", {f, h}, {}});
-      if (bias) t.push_back({p + "mlp." + name + ".bias", {f}, {}});
+    if (!c.moe_layer(l)) {  // a mixture of experts' layer: MixtralTensorsOf adds its router and experts
+      for (const char* name : {"gate_proj", "up_proj"}) {
+        t.push_back({p + "mlp." + name + ".weight", {f, h}, {}});
+        if (bias) t.push_back({p + "mlp." + name + ".bias", {f}, {}});
+      }
+      t.push_back({p + "mlp.down_proj.weight", {h, f}, {}});
+      if (bias) t.push_back({p + "mlp.down_proj.bias", {h}, {}});
     }
-    t.push_back({p + "mlp.down_proj.weight", {h, f}, {}});
-    if (bias) t.push_back({p + "mlp.down_proj.bias", {h}, {}});
     t.push_back({p + "input_layernorm.weight", {h}, {}});
     t.push_back({p + "post_attention_layernorm.weight", {h}, {}});
   }
@@ -211,10 +213,12 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
       head(p + "self_attn.q_norm.weight", 0, lp.q_norm_w, 1, true);
       head(p + "self_attn.k_norm.weight", 0, lp.k_norm_w, 1, true);
     }
-    // linear_fc1's rows: [gate; up].
-    copy(p + "mlp.gate_proj.weight", lp.fc1_w);
-    copy(p + "mlp.up_proj.weight", lp.fc1_w + f * h);
-    copy(p + "mlp.down_proj.weight", lp.fc2_w);
+    // linear_fc1's rows: [gate; up] (a mixture of experts' layer has none: MapMixtralParams maps its experts).
+    if (lp.fc1_w >= 0) {
+      copy(p + "mlp.gate_proj.weight", lp.fc1_w);
+      copy(p + "mlp.up_proj.weight", lp.fc1_w + f * h);
+      copy(p + "mlp.down_proj.weight", lp.fc2_w);
+    }
     if (c.add_bias_linear) {
       copy(p + "self_attn.o_proj.bias", lp.proj_b);
       copy(p + "mlp.gate_proj.bias", lp.fc1_b);

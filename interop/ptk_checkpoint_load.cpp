@@ -30,6 +30,26 @@ struct CheckpointHeader {
   std::map<std::string, std::string> settings;
 };
 
+// The experts' architecture a MoE checkpoint records (trainer/checkpoint_settings.cpp's ModelJson):
+// false when a field is missing or moe_layer_freq is not a list of 0 and 1.
+bool ReadMoeHeader(simdjson::dom::element m, GPTConfig* c) {
+  std::string_view score, freq;
+  bool pre = false;
+  if (m["moe_router_topk"].get(c->moe_router_topk) || m["moe_ffn_hidden_size"].get(c->moe_ffn_hidden_size) ||
+      m["moe_router_pre_softmax"].get(pre) || m["moe_router_score_function"].get(score) ||
+      m["moe_layer_freq"].get(freq) || (score != "softmax" && score != "sigmoid") || freq.size() < 2 ||
+      freq.front() != '[' || freq.back() != ']')
+    return false;
+  c->moe_router_pre_softmax = pre;
+  c->moe_router_sigmoid = score == "sigmoid";
+  c->moe_layer_pattern.clear();
+  for (size_t i = 1; i + 1 < freq.size(); i += 2) {
+    if ((freq[i] != '0' && freq[i] != '1') || (i + 2 < freq.size() && freq[i + 1] != ',')) return false;
+    c->moe_layer_pattern.push_back(freq[i] - '0');
+  }
+  return static_cast<int64_t>(c->moe_layer_pattern.size()) == c->num_layers;
+}
+
 absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   // The trainer's reader: a file cut short says so, with its size and the one it needs, as ptk-train's load
   // does (10 bytes of a checkpoint were "not a ptk checkpoint (bad magic)", 100 bytes "the header length runs
@@ -49,11 +69,8 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
-  if (int64_t experts = 0; !m["num_experts"].get(experts))  // ptk-train's MoE layers: no exporter maps them yet
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: a mixture-of-experts model (--num-experts {}): ptk-convert does not export MoE checkpoints yet (to "
-        "Hugging Face or Megatron); ptk-train resumes it",
-        file, experts));
+  if (!m["num_experts"].get(c.num_experts) && !ReadMoeHeader(m, &c))  // ptk-train's MoE layers
+    return bad("the header's description of the mixture of experts misses a field or has a bad one");
   if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only
     std::string_view pos;
     bool swiglu = false, bias = true, qkv_bias = false;
@@ -142,6 +159,7 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.hidden_dropout = SettingOr(header, "--hidden-dropout", 0.1, &out.notes);
   c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
+  if (c.moe()) c.moe_aux_loss_coeff = SettingOr(header, "--moe-aux-loss-coeff", 0.0, &out.notes);
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   // The weights and AdamW's moments, checksummed whole: minutes for a large model, counted (files and bytes read).
   if (auto size = FileSize(out.file); progress && size.ok() && *size >= kConvertLongStepBytes)

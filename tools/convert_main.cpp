@@ -187,10 +187,14 @@ int main(int argc, char** argv) {
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (const std::string& n : s.notes) ptk::log::Info("note: {}", n);
     const auto& c = s.config;
+    // A mixture of experts' MLP is its experts (the dense width is then unused where every layer is MoE).
+    const std::string mlp =
+        c.moe() ? fmt::format("{} experts of ffn {} (top {})", c.num_experts, c.moe_ffn(), c.moe_router_topk)
+                : fmt::format("ffn {}", c.ffn_hidden_size);
     ptk::log::Info(
-        "converted {} (iteration {}) -> {}: {} layers, hidden {}, {} heads, ffn {}, {} positions, vocabulary {}{}, "
+        "converted {} (iteration {}) -> {}: {} layers, hidden {}, {} heads, {}, {} positions, vocabulary {}{}, "
         "{} parameters, in {}",
-        s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
+        s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, mlp,
         c.max_position_embeddings, c.vocab_size, c.untie_embeddings_and_output_weights ? ", untied output layer" : "",
         s.num_params, ptk::HumanDuration(took));
     if (!s.train_flags.empty() && (o.loader == "megatron" || o.iteration > 0))
