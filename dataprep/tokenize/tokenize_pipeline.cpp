@@ -108,10 +108,15 @@ std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const G
   if (!done.up_to_date) return std::nullopt;
   // A writer killed after the outputs were complete (a second run that took the lock just before
   // its kill) leaves its lock file; nobody holds it, so taking and dropping the lock removes it.
-  // One a live writer holds stays (Acquire fails at once, and that is fine here).
+  // One a live writer holds stays (Acquire fails at once, and that is fine here). A writer killed
+  // between its resume record's removal and its index log's leaves the log alone (an output with
+  // its record is not up to date): removed under the lock.
   for (const std::string& prefix : done.outputs) {
     struct stat st;
-    if (::stat((prefix + OutputLock::kSuffix).c_str(), &st) == 0) (void)OutputLock::Acquire(prefix);
+    const bool log_left = PathExists(prefix + ".ptk-resume-index");
+    if (!log_left && ::stat((prefix + OutputLock::kSuffix).c_str(), &st) != 0) continue;
+    auto lock = OutputLock::Acquire(prefix);
+    if (lock.ok() && log_left) RemoveStaleResumeRecord(prefix);
   }
   return done;
 }

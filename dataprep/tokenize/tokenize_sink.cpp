@@ -241,18 +241,15 @@ std::string RerunReason(const std::string& prefix, const std::string& source, co
   return fmt::format("{}: tokenizing again: its .bin/.idx are not the sizes its .ptk-done sidecar records", prefix);
 }
 
-namespace {
-// A killed run's resume record (and its index log) beside an output this run holds the lock of, and
-// which is not this run's own: left by a run whose first --json-keys key was another, or redone by a
-// run that keeps none (--resume-interval 0, round-robin --partitions, standard input). Left there,
-// it kept the output from ever being up to date: every rerun tokenized again, saying nothing.
 void RemoveStaleResumeRecord(const std::string& final_prefix) {
   const std::string record = final_prefix + ".ptk-resume";
   if (!PathExists(record) && !PathExists(record + "-index")) return;
   RemoveStaleTemporaries(record);
   ResumeJournal(record).Remove();
-  log::Info("{}: removed a killed run's resume record, which this run's output replaces", record);
+  log::Info("{}: removed a killed run's resume record, which the output replaces", record);
 }
+
+namespace {
 
 // The documents a builder has written (its checkpoint: the flushed temporary .bin, the lengths and
 // document indices) in `order`, as the dataset `final_prefix` (its sidecar recording `source`).

@@ -225,6 +225,15 @@ std::string RerunReason(const std::string& prefix, const std::string& source, co
 bool OutputUpToDate(const std::string& prefix, const std::string& source, const TokenizeOptions& opt,
                     int64_t* documents, int64_t* tokens);
 
+// A killed run's resume record PREFIX.ptk-resume and its index log PREFIX.ptk-resume-index (either
+// alone too) removed, with a line saying so; the caller holds PREFIX's output lock, and the record
+// is not its own run's: left by a run whose first --json-keys key was another, redone by a run that
+// keeps none (--resume-interval 0, round-robin --partitions, standard input), or a log left by a run
+// killed after its outputs were complete, between the record's removal and the log's. Left there,
+// a record kept the output from ever being up to date (every rerun tokenized again, saying nothing);
+// a log was litter no rerun removed.
+void RemoveStaleResumeRecord(const std::string& final_prefix);
+
 // A resume point: where reading goes on, the counters, each key's builder checkpoint.
 struct ResumeState {
   std::string fingerprint;

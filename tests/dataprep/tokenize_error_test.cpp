@@ -16,6 +16,7 @@
 #include <thread>
 #include <tuple>
 
+#include "common/output_lock.h"
 #include "dataprep/tokenize/json_record.h"
 #include "dataprep/tokenize/tokenize_pipeline.h"
 #include "indexed_dataset/indexed_dataset.h"
@@ -324,6 +325,45 @@ TEST(TokenizeErrors, ResumePointsWriteWhatIsNewNotTheWholeIndexAgain) {
   EXPECT_LE(pointed->resume_bytes_written, bound) << points << " points";
   std::printf("%lld resume points wrote %llu bytes (at most %llu)\n", static_cast<long long>(points),
               static_cast<unsigned long long>(pointed->resume_bytes_written), static_cast<unsigned long long>(bound));
+}
+
+// A run killed after its outputs were complete, between its resume record's removal and its index
+// log's (the DocumentSink's last act), left PREFIX.ptk-resume-index alone beside an up-to-date output:
+// every rerun found the output up to date and left the log there (litter in k8s_local_run_test after
+// a tokenize pod's kill). The rerun now removes it, under the output's lock; while another run holds
+// the lock it stays.
+TEST(TokenizeErrors, AnIndexLogLeftBesideACompleteOutputIsRemovedByTheRerun) {
+  TempDir dir;
+  std::string docs;
+  for (int i = 0; i < 50; ++i) docs += fmt::format("{{\"text\": \"document {} of the run\"}}\n", i);
+  testing::WriteFile(dir / "in.jsonl", docs);
+  auto tok = Gpt2Tokenizer::LoadOrDefault("", "");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  TokenizeOptions o;
+  o.inputs = {dir / "in.jsonl"};
+  o.append_eod = true;
+  o.progress = o.megatron_log = false;
+  o.output_prefix = dir / "out";
+  auto first = RunTokenize(o, **tok);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string bin = testing::ReadFile(dir / "out_text_document.bin");
+  const std::string log = dir / "out_text_document.ptk-resume-index";
+  testing::WriteFile(log, "the index entries of a killed run");
+  {
+    auto held = OutputLock::Acquire(dir / "out_text_document");  // another run's, live
+    ASSERT_TRUE(held.ok()) << held.status();
+    auto busy = RunTokenize(o, **tok);
+    ASSERT_TRUE(busy.ok()) << busy.status();
+    EXPECT_TRUE(busy->up_to_date);
+    EXPECT_TRUE(testing::Exists(log));
+  }
+  auto again = RunTokenize(o, **tok);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->up_to_date);
+  EXPECT_FALSE(testing::Exists(log));
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.ptk-resume"));
+  EXPECT_EQ(testing::ReadFile(dir / "out_text_document.bin"), bin);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
 TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
