@@ -51,6 +51,21 @@ struct Golden {
   int64_t Int(const char* k) { return meta["config"][k].get_int64(); }
   double Num(const char* k) { return meta["config"][k].get_double(); }
 
+  // The model's shape every golden records (layers, width, heads, MLP, sequence and position table, the vocabulary
+  // and its padding), the rest GPTConfig's defaults.
+  GPTConfig Shape() {
+    GPTConfig c;
+    c.num_layers = Int("num_layers");
+    c.hidden_size = Int("hidden_size");
+    c.num_attention_heads = Int("num_attention_heads");
+    c.ffn_hidden_size = Int("ffn_hidden_size");
+    c.seq_length = Int("seq_length");
+    c.max_position_embeddings = Int("max_position_embeddings");
+    c.vocab_size = Int("vocab_size");
+    c.padded_vocab_size = Int("padded_vocab_size");
+    return c;
+  }
+
   // The reference's AdamW (with clipping) and Megatron's cosine schedule, counted in samples.
   OptimizerConfig Optimizer() {
     OptimizerConfig o;

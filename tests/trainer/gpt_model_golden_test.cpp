@@ -26,14 +26,7 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     g_ = std::make_unique<Golden>(GetParam());
-    GPTConfig c;
-    c.num_layers = g_->Int("num_layers");
-    c.hidden_size = g_->Int("hidden_size");
-    c.num_attention_heads = g_->Int("num_attention_heads");
-    c.ffn_hidden_size = g_->Int("ffn_hidden_size");
-    c.seq_length = g_->Int("seq_length");
-    c.max_position_embeddings = g_->Int("max_position_embeddings");
-    c.vocab_size = g_->Int("vocab_size");
+    GPTConfig c = g_->Shape();
     c.padded_vocab_size = PaddedVocabSize(c.vocab_size, g_->Int("make_vocab_size_divisible_by"));
     ASSERT_EQ(c.padded_vocab_size, g_->Int("padded_vocab_size"));
     c.untie_embeddings_and_output_weights = g_->meta["config"]["untie"].get_bool();

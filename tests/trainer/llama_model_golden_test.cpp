@@ -37,17 +37,9 @@ using testing::RelError;
 class LlamaGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    GPTConfig c;
-    c.num_layers = g_.Int("num_layers");
-    c.hidden_size = g_.Int("hidden_size");
-    c.num_attention_heads = g_.Int("num_attention_heads");
+    GPTConfig c = g_.Shape();
     c.num_query_groups = g_.Int("num_query_groups");
     c.kv_channels = g_.Int("kv_channels");
-    c.ffn_hidden_size = g_.Int("ffn_hidden_size");
-    c.seq_length = g_.Int("seq_length");
-    c.max_position_embeddings = g_.Int("max_position_embeddings");
-    c.vocab_size = g_.Int("vocab_size");
-    c.padded_vocab_size = g_.Int("padded_vocab_size");
     c.layernorm_epsilon = g_.Num("norm_epsilon");
     c.normalization = Normalization::kRMSNorm;
     c.position_embedding = PositionEmbedding::kRope;

@@ -18,6 +18,7 @@
 #include <simdjson.h>
 
 #include "tests/trainer/golden_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
@@ -35,15 +36,7 @@ using testing::RelError;
 class MoeGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    GPTConfig c;
-    c.num_layers = g_.Int("num_layers");
-    c.hidden_size = g_.Int("hidden_size");
-    c.num_attention_heads = g_.Int("num_attention_heads");
-    c.ffn_hidden_size = g_.Int("ffn_hidden_size");
-    c.seq_length = g_.Int("seq_length");
-    c.max_position_embeddings = g_.Int("max_position_embeddings");
-    c.vocab_size = g_.Int("vocab_size");
-    c.padded_vocab_size = g_.Int("padded_vocab_size");
+    GPTConfig c = g_.Shape();
     c.init_method_std = g_.Num("init_method_std");
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
@@ -172,13 +165,8 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
 
 // What the MoE layers do not run with is refused by the library too, not only by ptk-train's flags.
 TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
+  GPTConfig c = testing::SmallGpt(2, 8, 2, 4, 16, 16);
   c.ffn_hidden_size = 16;
-  c.seq_length = c.max_position_embeddings = 4;
-  c.vocab_size = c.padded_vocab_size = 16;
   c.add_bias_linear = false;
   c.num_experts = 4;
   BackendOptions cuda;
@@ -199,13 +187,8 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
 // --dry-run's count per pipeline stage (ParamsOnModelParallelRank with the stage's MoE layers) is what each
 // stage's layout holds: P = 2 with two layers each, P = 2 interleaved (layers 0 and 2 on stage 0), P = 4.
 TEST(MoeModel, EachStageHoldsItsLayersExpertsAsTheDryRunCounts) {
-  GPTConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
+  GPTConfig c = testing::SmallGpt(4, 8, 2, 4, 16, 16);
   c.ffn_hidden_size = 16;
-  c.seq_length = c.max_position_embeddings = 4;
-  c.vocab_size = c.padded_vocab_size = 16;
   c.add_bias_linear = false;
   c.num_experts = 3;
   c.moe_ffn_hidden_size = 6;

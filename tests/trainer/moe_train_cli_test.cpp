@@ -30,6 +30,25 @@ constexpr char kMoe[] =
     " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01"
     " --disable-bias-linear";
 
+// The parameters of DIR's checkpoint of `iteration` (a 4-layer [1,0,1,1] model), the stages put together.
+std::vector<float> FinalWeights(const std::string& dir, int64_t iteration) {
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.num_layers = 4;
+  c.add_bias_linear = false;
+  c.gelu_exact = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  c.moe_aux_loss_coeff = 0.01;
+  c.moe_layer_pattern = {1, 0, 1, 1};
+  auto layout = ParamLayout::Create(c);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status s = LoadCheckpoint(dir, iteration, *layout, &p, &m, &v, &st);
+  EXPECT_TRUE(s.ok()) << s;
+  return p;
+}
+
 class MoeTrainCli : public testing::RanksTest {
  protected:
   MoeTrainCli() : RanksTest(testing::kSmallVocabEod) {}
@@ -52,6 +71,40 @@ class MoeTrainCli : public testing::RanksTest {
     for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
       v.push_back(std::strtod((*it)[1].str().c_str(), nullptr));
     return v;
+  }
+  // One rank's run of the 4-layer [1,0,1,1] model (saved in dir_/one): the losses, load_balancing_loss and final
+  // weights that each parallel layout's run must give.
+  struct OneRank {
+    std::vector<std::pair<int, double>> losses;
+    std::vector<double> balancing;
+    std::vector<float> weights;
+  };
+  static constexpr char kPattern[] = "--moe-layer-freq '[1,0,1,1]' --save ";
+  void RunOneRank(OneRank* ref) {
+    auto one = RunCmd(Train(kPattern + ShellQuote(dir_ / "one"), 6, 4));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    ref->losses = testing::LossesOf(one.output);
+    ref->balancing = Balancing(one.output);
+    ASSERT_EQ(ref->balancing.size(), 6u) << one.output;
+    ref->weights = FinalWeights(dir_ / "one", 6);
+  }
+  // The run on `world` ranks with `flags` (saved in `save`) against one rank's: losses and load_balancing_loss
+  // within 1e-5 (relative), final weights within 1e-5.
+  void ExpectOneRanks(const OneRank& ref, int world, const std::string& save, const std::string& flags,
+                      const std::string& what) {
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(world, Train(kPattern + ShellQuote(save) + flags, 6, 4), ref.losses, 6, 1e-5, what, &out));
+    const auto lb = Balancing(out);
+    ASSERT_EQ(lb.size(), 6u) << out;
+    for (size_t i = 0; i < lb.size(); ++i)
+      EXPECT_NEAR(lb[i], ref.balancing[i], 1e-5 * ref.balancing[i]) << what << " " << i;
+    const std::vector<float> w = FinalWeights(save, 6);
+    ASSERT_EQ(w.size(), ref.weights.size()) << what;
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref.weights[i]));
+    EXPECT_LT(worst, 1e-5) << what;
+    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", what.c_str(), worst);
   }
 };
 
@@ -149,38 +202,16 @@ TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
   EXPECT_EQ(testing::LogLinesWithoutTimes(plain), testing::LogLinesWithoutTimes(overlap));
 }
 
-// The parameters of DIR's checkpoint of `iteration` (a 4-layer [1,0,1,1] model), the stages put together.
-std::vector<float> FinalWeights(const std::string& dir, int64_t iteration) {
-  GPTConfig c = testing::TinyModel(1000, 1024);
-  c.num_layers = 4;
-  c.add_bias_linear = false;
-  c.gelu_exact = true;
-  c.num_experts = 4;
-  c.moe_ffn_hidden_size = 48;
-  c.moe_aux_loss_coeff = 0.01;
-  c.moe_layer_pattern = {1, 0, 1, 1};
-  auto layout = ParamLayout::Create(c);
-  EXPECT_TRUE(layout.ok()) << layout.status();
-  std::vector<float> p, m, v;
-  TrainState st;
-  const absl::Status s = LoadCheckpoint(dir, iteration, *layout, &p, &m, &v, &st);
-  EXPECT_TRUE(s.ok()) << s;
-  return p;
-}
-
 // Pipeline stages (ranks as processes over loopback gloo), each holding its layers' experts: P = 2 (stage 0 one
 // MoE layer, stage 1 two), P = 2 interleaved (layers 0 and 2 on stage 0), P = 2 of 1 and 3 layers (stage 0 one
 // MoE layer alone) and P = 2 x D = 2 give one rank's losses, its load_balancing_loss (the stages' MoE layers
 // summed, as Megatron's track_moe_metrics over the pipeline group) and its final weights; a stopped P = 2 run
 // resumes bit for bit, and on one rank.
 TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
-  const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
-  auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto ref = testing::LossesOf(one.output);
-  const auto ref_lb = Balancing(one.output);
-  ASSERT_EQ(ref_lb.size(), 6u) << one.output;
-  const std::vector<float> ref_w = FinalWeights(dir_ / "one", 6);
+  const std::string moe = kPattern;
+  OneRank one;
+  ASSERT_NO_FATAL_FAILURE(RunOneRank(&one));
+  const auto& ref = one.losses;
   struct Case {
     int world;
     const char *flags, *what;
@@ -188,22 +219,9 @@ TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
   int run = 0;
   for (const Case& c :
        {Case{2, "", "P=2"}, Case{2, " --num-layers-per-virtual-pipeline-stage 1", "P=2 interleaved"},
-        Case{2, " --decoder-first-pipeline-num-layers 1", "P=2 uneven (1 and 3 layers)"}, Case{4, "", "P=2 x D=2"}}) {
-    const std::string save = dir_ / ("ck" + std::to_string(run++));
-    std::string out;
-    ASSERT_NO_FATAL_FAILURE(
-        RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --pipeline-model-parallel-size 2" + c.flags, 6, 4),
-                        ref, 6, 1e-5, c.what, &out));
-    const auto lb = Balancing(out);
-    ASSERT_EQ(lb.size(), 6u) << out;
-    for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << c.what << " " << i;
-    const std::vector<float> w = FinalWeights(save, 6);
-    ASSERT_EQ(w.size(), ref_w.size()) << c.what;
-    double worst = 0;
-    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref_w[i]));
-    EXPECT_LT(worst, 1e-5) << c.what;
-    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", c.what, worst);
-  }
+        Case{2, " --decoder-first-pipeline-num-layers 1", "P=2 uneven (1 and 3 layers)"}, Case{4, "", "P=2 x D=2"}})
+    ASSERT_NO_FATAL_FAILURE(ExpectOneRanks(one, c.world, dir_ / ("ck" + std::to_string(run++)),
+                                           std::string(" --pipeline-model-parallel-size 2") + c.flags, c.what));
   // Stopped at iteration 3 and resumed at P = 2: the uninterrupted P = 2 run's last lines, character for character.
   const std::string pp = " --pipeline-model-parallel-size 2";
   auto whole = Ranks(2, Train(moe + ShellQuote(dir_ / "whole") + pp, 6, 4));
@@ -230,35 +248,17 @@ TEST_F(MoeTrainCli, PipelineStagesTrainAsOneRankDoes) {
 // token count the whole sequence's, as Megatron's over the tensor x context group): C = 2, C = 2 x D = 2,
 // C = 2 x P = 2 give one rank's losses, load_balancing_loss and final weights.
 TEST_F(MoeTrainCli, ContextRanksTrainAsOneRankDoes) {
-  const std::string moe = "--moe-layer-freq '[1,0,1,1]' --save ";
-  auto one = RunCmd(Train(moe + ShellQuote(dir_ / "one"), 6, 4));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto ref = testing::LossesOf(one.output);
-  const auto ref_lb = Balancing(one.output);
-  ASSERT_EQ(ref_lb.size(), 6u) << one.output;
-  const std::vector<float> ref_w = FinalWeights(dir_ / "one", 6);
+  OneRank one;
+  ASSERT_NO_FATAL_FAILURE(RunOneRank(&one));
   struct Case {
     int world;
     const char *flags, *what;
   };
   int run = 0;
   for (const Case& c :
-       {Case{2, "", "C=2"}, Case{4, "", "C=2 x D=2"}, Case{4, " --pipeline-model-parallel-size 2", "C=2 x P=2"}}) {
-    const std::string save = dir_ / ("cp" + std::to_string(run++));
-    std::string out;
-    ASSERT_NO_FATAL_FAILURE(
-        RunGivingLosses(c.world, Train(moe + ShellQuote(save) + " --context-parallel-size 2" + c.flags, 6, 4), ref, 6,
-                        1e-5, c.what, &out));
-    const auto lb = Balancing(out);
-    ASSERT_EQ(lb.size(), 6u) << out;
-    for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ref_lb[i], 1e-5 * ref_lb[i]) << c.what << " " << i;
-    const std::vector<float> w = FinalWeights(save, 6);
-    ASSERT_EQ(w.size(), ref_w.size()) << c.what;
-    double worst = 0;
-    for (size_t i = 0; i < w.size(); ++i) worst = std::max(worst, std::abs(double{w[i]} - ref_w[i]));
-    EXPECT_LT(worst, 1e-5) << c.what;
-    std::printf("%s: largest difference of the final weights from one rank's: %.3g\n", c.what, worst);
-  }
+       {Case{2, "", "C=2"}, Case{4, "", "C=2 x D=2"}, Case{4, " --pipeline-model-parallel-size 2", "C=2 x P=2"}})
+    ASSERT_NO_FATAL_FAILURE(ExpectOneRanks(one, c.world, dir_ / ("cp" + std::to_string(run++)),
+                                           std::string(" --context-parallel-size 2") + c.flags, c.what));
 }
 
 // megatron-core's parameter count of tests/data/trainer/moe_gelu's model (its golden's tensors).

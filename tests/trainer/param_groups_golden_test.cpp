@@ -12,6 +12,7 @@
 #include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/comm.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/train_step.h"
@@ -141,13 +142,8 @@ INSTANTIATE_TEST_SUITE_P(MegatronCore, ParamGroupsGolden,
 // than one with a tripled rate for them, and the other tensors alike (the test above cannot pass by a rule
 // that ignores the groups: its decoupled rates would then be --lr's).
 TEST(ParamGroups, DecoupledRateMovesOnlyTheEmbeddingAndOutputLayer) {
-  GPTConfig c;
-  c.num_layers = 1;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
+  GPTConfig c = testing::SmallGpt(1, 8, 2, 8, 16, 16);
   c.ffn_hidden_size = 16;
-  c.seq_length = c.max_position_embeddings = 8;
-  c.vocab_size = c.padded_vocab_size = 16;
   c.untie_embeddings_and_output_weights = true;
   std::vector<float> moved[2];
   for (int run = 0; run < 2; ++run) {
