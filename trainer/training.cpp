@@ -264,7 +264,10 @@ absl::StatusOr<TrainSummary> Trainer::Finish() {
     if (report.back() == '\n') report.pop_back();
     Print(report);
   }
-  if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+  // Megatron's pretrain saves after its loop where `iteration % save_interval != 0`: not where --save-interval
+  // divides the last iteration though --iterations-to-skip skipped it (and its save). --save alone: ptk's end save.
+  const bool interval_divides = o_.save_interval > 0 && state_.iteration % o_.save_interval == 0;
+  if (last_saved_ != state_.iteration && !interval_divides) PTK_RETURN_IF_ERROR(Save());
   return FinalEvaluations();
 }
 

@@ -119,6 +119,25 @@ TEST_F(IterationsToSkipCli, ASkipLeavesModelMomentsAndScheduleAsTheyWere) {
   EXPECT_EQ(lr(middle.output, 2), "none") << "a skipped iteration has no log line";
 }
 
+TEST_F(IterationsToSkipCli, ASkippedLastIterationIsSavedAsMegatronSavesIt) {
+  // Megatron's pretrain saves after the loop only where `iteration % save_interval != 0`: a skipped last iteration
+  // that --save-interval divides (its save was skipped with it) leaves the last checkpoint the one before it; one it
+  // does not divide is saved, the skip counted. Without --save-interval (ptk's --save alone) the end is saved.
+  for (const auto& [interval, saved] : std::vector<std::pair<int, int>>{{2, 2}, {3, 4}, {0, 4}}) {
+    const std::string dir = dir_ / ("every" + std::to_string(interval));
+    auto r = RunCmd(Train("--iterations-to-skip 3 --save " + ShellQuote(dir) +
+                              (interval > 0 ? " --save-interval " + std::to_string(interval) : std::string()),
+                          4));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(testing::ReadFile(dir + "/latest_checkpointed_iteration.txt"), std::to_string(saved))
+        << "--save-interval " << interval;
+    EXPECT_EQ(testing::Exists(dir + "/iter_0000004"), saved == 4) << "--save-interval " << interval;
+    if (saved == 4) {
+      EXPECT_EQ(Load(dir, 4).state.skipped_train_samples, 6) << "--save-interval " << interval;
+    }
+  }
+}
+
 TEST_F(IterationsToSkipCli, AResumeBeforeOrAfterASkipGivesTheUninterruptedBits) {
   // One rank (6 micro-batches a step) and two data ranks (3 each): stopped at iteration 2 (before both skips) and
   // at 5 (between them), resumed with the same flag: the uninterrupted run's log lines and final checkpoint.
