@@ -120,7 +120,8 @@ def train_pytorch(ds, iters, out_path, threads):
 
 
 def last_mean(path, n=50):
-    losses = [json.loads(line)["lm_loss"] for line in open(path) if line.strip()]
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    losses = [r["lm_loss"] for r in records if "lm_loss" in r]  # not the evaluations' records
     return sum(losses[-n:]) / len(losses[-n:])
 
 

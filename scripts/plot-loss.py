@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Turns ptk-train's metrics (JSON lines, one per iteration) into a loss-curve PNG.
+"""Turns ptk-train's metrics (JSON lines, one per iteration and one per evaluation) into a loss-curve PNG.
 
 Usage: python3 scripts/plot-loss.py METRICS.jsonl [METRICS2.jsonl ...] -o loss.png [--title T]
-A directory (ptk-train's --tensorboard-dir) stands for the metrics.jsonl in it. Each file is one curve (a resumed run appends to the same file, so one file is one run). Lines
+A directory (ptk-train's --tensorboard-dir) stands for the metrics.jsonl in it. Each file is one curve (a resumed run appends to the same file, so one file is one run). The
+evaluations' records ("lm_loss_validation", "lm_loss_test", ... in place of "lm_loss") are passed over; other lines
 that are not JSON objects with "iteration" and "lm_loss" are an error naming the file and line.
 Needs matplotlib (Debian: python3-matplotlib, installed by scripts/install-deps.sh): a Python
 without it (a virtualenv's first on PATH) reruns the script with one that has it, or names it.
@@ -34,6 +35,8 @@ def read(path):
                 continue
             try:
                 rec = json.loads(line)
+                if "lm_loss" not in rec and any(k.startswith("lm_loss_") for k in rec):
+                    continue  # an evaluation's record: the curve is the training loss
                 it, loss = int(rec["iteration"]), float(rec["lm_loss"])
             except (ValueError, KeyError, TypeError) as e:
                 sys.exit(f"plot-loss: {path}:{n}: not a metrics record ({e})")

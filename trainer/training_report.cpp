@@ -127,6 +127,15 @@ absl::StatusOr<std::optional<double>> Trainer::Evaluate(DataLoader* loader, cons
     if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(run.tb_tag + " ppl", std::exp(std::min(20.0, *loss)));
     PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
   }
+  // The line's loss and PPL, keyed by TensorBoard's tag as the iterations' "lm_loss" is ("lm loss validation":
+  // "lm_loss_validation", "lm_loss_validation_ppl"), at the iteration and samples of its scalars.
+  if (outputs_.metrics.is_open()) {
+    std::string key = run.tb_tag;
+    std::replace(key.begin(), key.end(), ' ', '_');
+    PTK_RETURN_IF_ERROR(outputs_.metrics.Append(fmt::format(
+        "{{\"iteration\": {}, \"consumed_samples\": {}, \"{}\": {}, \"{}_ppl\": {}}}\n", state_.iteration,
+        state_.consumed_train_samples, key, JsonNumber(*loss), key, JsonNumber(std::exp(std::min(20.0, *loss))))));
+  }
   return loss;
 }
 

@@ -11,7 +11,8 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || { echo "skip: /usr/bin/python3 has no matplotlib"; exit 77; }
 /usr/bin/python3 -m venv --without-pip "$W/venv" >/dev/null 2>&1 || { echo "skip: no venv module"; exit 77; }
 "$W/venv/bin/python3" -c 'import matplotlib' 2>/dev/null && fail "the venv sees matplotlib"
-printf '{"iteration": 1, "lm_loss": 10.5}\n{"iteration": 2, "lm_loss": 9.25}\n' > "$W/metrics.jsonl"
+# An evaluation's record between the iterations' is passed over (the curve is the training loss).
+printf '{"iteration": 1, "lm_loss": 10.5}\n{"iteration": 1, "consumed_samples": 4, "lm_loss_validation": 10.75, "lm_loss_validation_ppl": 46630.3}\n{"iteration": 2, "lm_loss": 9.25}\n' > "$W/metrics.jsonl"
 out=$(cd "$SRC" && PATH=$W/venv/bin:$PATH python3 scripts/plot-loss.py "$W/metrics.jsonl" -o "$W/loss.png" 2>&1) ||
   fail "plot-loss under a Python without matplotlib: $out"
 [ -s "$W/loss.png" ] || fail "no loss.png: $out"

@@ -98,7 +98,8 @@ with tempfile.TemporaryDirectory() as tmp:
         events = list(EventFileLoader(f).Load())
         check(events and events[0].file_version == "brain.Event:2", f + ": the first event names the format")
     s = scalars(tb)
-    metrics = [json.loads(line) for line in open(os.path.join(tb, "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(tb, "metrics.jsonl"))]
+    metrics = [m for m in records if "lm_loss" in m]  # the iterations'; the evaluations' are keyed by their tags
     check([m["iteration"] for m in metrics] == list(range(1, 11)), "metrics.jsonl holds iterations 1..10")
     lines = {int(m.group(1)): m for m in LINE.finditer(out)}
     check(sorted(lines) == list(range(1, 11)), "log lines for iterations 1..10: {}".format(sorted(lines)))
@@ -134,6 +135,19 @@ with tempfile.TemporaryDirectory() as tmp:
         check(it in gotppl and close(gotppl[it], ppl, 6e-7), "ppl at {}: {} vs {}".format(it, gotppl.get(it), ppl))
         check(math.isclose(dict(s["lm loss validation vs samples"])[4 * it], got[it]), "validation vs samples")
     check(10 in got and "lm loss test" in s, "the end of training: validation at 10 and the test loss")
+    # metrics.jsonl holds each evaluation too, under its TensorBoard tag: the scalars' values, steps and samples.
+    evals = [m for m in records if "lm_loss" not in m]
+    check([(m["iteration"], sorted(m)) for m in evals] ==
+          [(it, ["consumed_samples", "iteration", "lm_loss_" + k, "lm_loss_" + k + "_ppl"])
+           for it, k in ((4, "validation"), (8, "validation"), (10, "validation"), (10, "test"))],
+          "metrics.jsonl's evaluations: validation at 4, 8, 10, then the test's: {}".format(evals))
+    for m in evals:
+        tag = "lm loss " + ("test" if "lm_loss_test" in m else "validation")
+        key = tag.replace(" ", "_")
+        check(m["consumed_samples"] == 4 * m["iteration"], "an evaluation's samples: {}".format(m))
+        check(f32_equal(dict(s[tag])[m["iteration"]], m[key]), "{} at {}: metrics {}".format(tag, m["iteration"], m))
+        check(f32_equal(dict(s[tag + " ppl"])[m["iteration"]], m[key + "_ppl"]),
+              "{} ppl at {}: metrics {}".format(tag, m["iteration"], m))
 
     # ---- the selection flags
     tb2 = os.path.join(tmp, "tb2")

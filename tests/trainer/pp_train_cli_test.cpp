@@ -265,8 +265,11 @@ TEST_F(PipelineParallelCli, MetricsGoWithTheEventsOfTheLastStage) {
   EXPECT_NE(Logs(2).find("TensorBoard events: " + tb + "/run-2/events.out.tfevents."), std::string::npos) << Logs(2);
   EXPECT_EQ(ptk::testing::ReadFile(tb + "/metrics.jsonl"), "{\"iteration\": 1}\n");
   const std::string lines = ptk::testing::ReadFile(tb + "/run-2/metrics.jsonl");
-  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 4) << lines;
+  // Iterations 1 to 4, then the evaluation after the last (its record keyed "lm_loss_validation").
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 4 + 1) << lines;
   EXPECT_NE(lines.find("{\"iteration\": 4, \"consumed_samples\": 32, \"lm_loss\": "), std::string::npos) << lines;
+  EXPECT_NE(lines.find("{\"iteration\": 4, \"consumed_samples\": 32, \"lm_loss_validation\": "), std::string::npos)
+      << lines;
 }
 
 // A start refused on the last stage (the writer of --metrics-file, held here by another run) is

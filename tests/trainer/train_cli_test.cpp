@@ -81,8 +81,50 @@ TEST_F(TrainCli, LogsLikeMegatronAndLearns) {
   EXPECT_NE(r.output.find(" validation loss at iteration 4 | lm loss value: "), std::string::npos);
   EXPECT_NE(r.output.find(" validation loss at iteration 40 on validation set | "), std::string::npos);
   std::string metrics = testing::ReadFile(dir_ / "tb/metrics.jsonl");
-  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 40);
+  // 40 iterations' records and 11 evaluations' (every 4 iterations, then the end's: MetricsFileHoldsTheEvaluations).
+  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 40 + 11);
+  const std::regex iteration_record("\"lm_loss\": ");
+  EXPECT_EQ(
+      std::distance(std::sregex_iterator(metrics.begin(), metrics.end(), iteration_record), std::sregex_iterator()),
+      40);
   EXPECT_NE(metrics.find("{\"iteration\": 40, \"consumed_samples\": 160, \"lm_loss\": "), std::string::npos);
+}
+
+// --metrics-file holds each evaluation's loss and PPL (Megatron's validation line and TensorBoard scalars) beside
+// the iterations' records, keyed by the scalar's tag: the evaluations every --eval-interval, and after the last
+// iteration the validation and test splits', at the iteration and samples consumed, the line's numbers.
+TEST_F(TrainCli, MetricsFileHoldsTheEvaluations) {
+  const std::string path = dir_ / "m.jsonl";
+  auto r = RunCmd(Train("--split 96,2,2 --metrics-file " + ShellQuote(path)));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string metrics = testing::ReadFile(path);
+  const std::regex record(
+      R"re(\{"iteration": (\d+), "consumed_samples": (\d+), "lm_loss_(validation|test)": ([-0-9.e+]+), )re"
+      R"re("lm_loss_\3_ppl": ([-0-9.e+]+)\}\n)re");
+  const std::regex line(R"( validation loss at iteration (\d+)(?: on (validation|test) set)? \| )"
+                        R"(lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+) \|)");
+  std::vector<std::smatch> records, lines;
+  for (auto it = std::sregex_iterator(metrics.begin(), metrics.end(), record); it != std::sregex_iterator(); ++it)
+    records.push_back(*it);
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), line); it != std::sregex_iterator(); ++it)
+    lines.push_back(*it);
+  ASSERT_EQ(lines.size(), 4u) << r.output;  // at 4, at 8, then at 8 on the validation and the test set
+  ASSERT_EQ(records.size(), 4u) << metrics;
+  const std::vector<std::string> sets = {"validation", "validation", "validation", "test"};
+  for (size_t k = 0; k < 4; ++k) {
+    const std::smatch &m = records[k], &l = lines[k];
+    EXPECT_EQ(m[1].str(), l[1].str()) << m.str();
+    EXPECT_EQ(std::stoi(m[2]), 4 * std::stoi(m[1])) << m.str();
+    EXPECT_EQ(m[3].str(), sets[k]) << m.str();
+    // The line prints 7 digits ({:.6E}: within 5e-7 relative), the record 9.
+    EXPECT_NEAR(std::stod(m[4]), std::stod(l[3]), 6e-7 * std::stod(l[3])) << m.str() << "\n" << l.str();
+    EXPECT_NEAR(std::stod(m[5]), std::stod(l[4]), 6e-7 * std::stod(l[4])) << m.str() << "\n" << l.str();
+  }
+  // Between the iterations' records, at their places: after iteration 4's, and after the last one's.
+  EXPECT_NE(metrics.find("\"consumed_samples\": 16, \"lm_loss\": "), std::string::npos);
+  EXPECT_LT(metrics.find("\"consumed_samples\": 16, \"lm_loss\": "), metrics.find(records[0].str()));
+  EXPECT_LT(metrics.find(records[0].str()), metrics.find("\"consumed_samples\": 20, \"lm_loss\": "));
+  EXPECT_LT(metrics.find("\"consumed_samples\": 32, \"lm_loss\": "), metrics.find(records[1].str()));
 }
 
 // The event files in `dir` (not below it): TensorBoard's run of that directory.
