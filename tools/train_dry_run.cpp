@@ -58,6 +58,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
     d.microbatch_group_size = static_cast<int>(flags.microbatch_group_size_per_vp_stage.value_or(0));
   d.micro_batch_size = o.micro_batch_size;
   d.global_batch_size = o.global_batch_size;
+  d.decrease_batch_size = o.decrease_batch_size_if_needed;
   d.sequence_parallel = flags.options.backend.sequence_parallel;
   d.use_distributed_optimizer = o.use_distributed_optimizer;
   d.precision = flags.bf16 ? Precision::kBf16 : flags.fp16 ? Precision::kFp16 : Precision::kFp32;

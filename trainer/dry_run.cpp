@@ -153,10 +153,20 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
                        PipelineStageLayers(m.num_layers, P, o.first_stage_layers, o.last_stage_layers));
   const int64_t mbs = o.micro_batch_size;
   plan.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size : mbs * D;
-  if (plan.global_batch_size % (mbs * D) != 0)
-    return UsageError(
-        fmt::format("--global-batch-size {} is not divisible by --micro-batch-size {} times the data-parallel size {}",
-                    plan.global_batch_size, mbs, D));
+  if (plan.global_batch_size % (mbs * D) != 0) {  // the real run's check, on this plan's data-parallel size
+    if (!o.decrease_batch_size)
+      return UsageError(fmt::format(
+          "--global-batch-size {} is not divisible by --micro-batch-size {} times the data-parallel size {} (or give "
+          "--decrease-batch-size-if-needed)",
+          plan.global_batch_size, mbs, D));
+    if (plan.global_batch_size < mbs * D)
+      return UsageError(fmt::format(
+          "--decrease-batch-size-if-needed: --global-batch-size {} is smaller than --micro-batch-size {} times the "
+          "data-parallel size {}: no micro-batch is left",
+          plan.global_batch_size, mbs, D));
+    plan.decreased_from = plan.global_batch_size;
+    plan.global_batch_size = plan.global_batch_size / (mbs * D) * (mbs * D);
+  }
   plan.micro_batches = plan.global_batch_size / (mbs * D);
   const int V = o.virtual_size;
   if (V > 1 && (P < 2 || stage_layers.front() % V != 0))
@@ -279,6 +289,11 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   line(fmt::format("> initialized tensor model parallel with size {}", T));
   line(fmt::format("> initialized pipeline model parallel with size {}", P));
   out += LayoutLines(layout, cl.world_size);
+  if (plan.decreased_from > 0)  // the real run's rank 0 prints Megatron's calculator's line (its missing space too)
+    line(
+        fmt::format("decreasing batch size from {} to {}to keep divisiblity by micro_batch_size={} * "
+                    "data_parallel_size={}",
+                    plan.decreased_from, plan.global_batch_size, o.micro_batch_size, D));
   line(fmt::format("batch: global {} = micro-batch {} x {} micro-batch{} x data-parallel {}", plan.global_batch_size,
                    o.micro_batch_size, plan.micro_batches, plan.micro_batches == 1 ? "" : "es", D));
   // Megatron's line from the first data-parallel rank of every (tensor, pipeline) rank.

@@ -39,6 +39,9 @@ struct DryRunOptions {
   int microbatch_group_size = 0;  // its micro-batches in a row on one chunk; 0: the pipeline size
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro-batch × data-parallel size
+  // --decrease-batch-size-if-needed: a global batch that micro-batch × data-parallel size does not divide trains
+  // on its largest multiple (Megatron's microbatch calculator), else it is refused.
+  bool decrease_batch_size = false;
   bool sequence_parallel = false, use_distributed_optimizer = false;
   Precision precision = Precision::kFp32;
   DryRunCluster cluster;
@@ -73,7 +76,8 @@ struct DryRunPlan {
   // Context-parallel ranks: each holds 1/C of every sample's positions (Megatron's CP: the activations
   // over C; ZeRO-1 shards the optimizer state over data × context ranks).
   int context_parallel = 1;
-  int64_t global_batch_size = 0, micro_batches = 0;
+  int64_t global_batch_size = 0, micro_batches = 0;  // the batch each iteration trains on
+  int64_t decreased_from = 0;      // --decrease-batch-size-if-needed cut the global batch: the one given (else 0)
   bool sequence_parallel = false;  // in effect (T > 1)
   int weight_bytes = 4, gradient_bytes = 4, optimizer_bytes = 8, activation_bytes = 4;
   std::vector<StageMemory> stages;

@@ -252,6 +252,40 @@ TEST(DryRunCli, OneRankPrintsAndTensorBeyondANodeIsWarned) {
   EXPECT_NE(r.output.find("the world size 1 is not divisible"), std::string::npos) << r.output;
 }
 
+// --decrease-batch-size-if-needed: the plan is the real run's, a global batch of 7 over 2 data ranks cut to 6 with
+// the line the real run prints (iterations_to_skip_cli_test DecreaseBatchSizeIfNeededTrainsTheLargestMultiple), and
+// its memory that of 3 micro-batches; without the flag, or with no micro-batch left, refused as the real run is.
+TEST(DryRunCli, DecreaseBatchSizeIfNeededPlansTheBatchTheRunTrainsOn) {
+  const std::string run = testing::Tool("ptk-train") +
+                          " --dry-run --num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32"
+                          " --lr 1e-4 --micro-batch-size 1 --pipeline-model-parallel-size 2";
+  auto cut = RunCmd("WORLD_SIZE=4 " + run + " --global-batch-size 7 --decrease-batch-size-if-needed");
+  ASSERT_EQ(cut.exit_code, 0) << cut.output;
+  EXPECT_NE(cut.output.find("\ndecreasing batch size from 7 to 6to keep divisiblity by micro_batch_size=1 * "
+                            "data_parallel_size=2\n"),
+            std::string::npos)
+      << cut.output;
+  EXPECT_NE(cut.output.find("batch: global 6 = micro-batch 1 x 3 micro-batches x data-parallel 2"), std::string::npos)
+      << cut.output;
+  // The plan of a global batch of 6 in all but the cut's line.
+  auto six = RunCmd("WORLD_SIZE=4 " + run + " --global-batch-size 6");
+  ASSERT_EQ(six.exit_code, 0) << six.output;
+  std::string without = cut.output;
+  const size_t line = without.find("decreasing batch size"), next = without.find("batch: global");
+  ASSERT_TRUE(line != std::string::npos && next > line) << cut.output;
+  without.erase(line, next - line);
+  EXPECT_EQ(without, six.output);
+  auto plain = RunCmd("WORLD_SIZE=4 " + run + " --global-batch-size 7");
+  EXPECT_EQ(plain.exit_code, 2) << plain.output;
+  EXPECT_EQ(plain.output.find("ptk-train: usage error: --global-batch-size 7 is not divisible by --micro-batch-size 1 "
+                              "times the data-parallel size 2 (or give --decrease-batch-size-if-needed)\n"),
+            0u)
+      << plain.output;
+  auto none = RunCmd("WORLD_SIZE=16 " + run + " --global-batch-size 7 --decrease-batch-size-if-needed");
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("no micro-batch is left"), std::string::npos) << none.output;
+}
+
 // A real run takes the stage flags with several stages only (Megatron's refusal).
 TEST(DryRunCli, PipelineStageFlagsNeedSeveralStagesInARealRun) {
   auto r = RunCmd(testing::Tool("ptk-train") +
