@@ -390,6 +390,11 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     sc.init_lr = NumAttr(args, "lr_warmup_init").value_or(0);
     sc.wsd_decay_steps = static_cast<int64_t>(NumAttr(args, "lr_wsd_decay_samples").value_or(0));
     sc.wsd_decay_style = StrAttr(args, "lr_wsd_decay_style").value_or("exponential");
+    // --decoupled-lr's group keeps its max_lr and min_lr in the optimizer's param_groups, which Megatron's
+    // resume loads back (megatron-core 0.16.1, whatever the scheduler flags): the run's flags, as its args
+    // record them (its groups cannot tell that group from --lr's: is_decoupled_lr stays False).
+    sc.decoupled_lr = NumAttr(args, "decoupled_lr");
+    if (sc.decoupled_lr) sc.decoupled_min_lr = NumAttr(args, "decoupled_min_lr");
     state.scheduler = sc;
   } else {
     state.scheduler_num_steps = state.consumed_train_samples;

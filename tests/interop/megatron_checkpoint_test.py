@@ -302,6 +302,36 @@ def main():
                 "--use-checkpoint-opt_param-scheduler", "--threads", "1", "--load", ptk1, "--save", resumed, ok=False)
         check(p.returncode == 0 and " 21/" in p.stdout + p.stderr and " 20/" not in p.stdout + p.stderr,
               f"ptk-train resumes the imported checkpoint at iteration 21:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        # A run of Megatron's with --decoupled-lr: its rates (its args', which its optimizer's groups hold and its
+        # resume loads back) are the imported schedule's, so a resume checks this command line's against them and
+        # --use-checkpoint-opt_param-scheduler goes on with them (they were dropped: "none (--lr's)").
+        meg = os.path.join(tmp, "decoupled-meg")
+        gen(meg, "--tp", "1", "--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4")
+        ptk_dec = os.path.join(tmp, "decoupled-ptk")
+        convert("megatron", "ptk", meg, ptk_dec)
+        hd, _ = read_ptk(ptk_dec)
+        sched = hd["opt_param_scheduler"]
+        check(sched.get("decoupled_lr") == 1e-3 and sched.get("decoupled_min_lr") == 1e-4,
+              f"--decoupled-lr's rates imported with the schedule: {sched}")
+        train = [os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads",
+                 "4", "--seq-length", "8", "--max-position-embeddings", "16", "--vocab-size", "50",
+                 "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2", "--global-batch-size", "8",
+                 "--train-iters", "100", "--exit-interval", "21", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
+                 "--lr-warmup-iters", "10", "--lr-decay-iters", "100", "--weight-decay", "0.1", "--mock-data",
+                 "--eval-iters", "0", "--threads", "1", "--load", ptk_dec]
+        p = run(*train, "--decoupled-lr", "2e-3", "--decoupled-min-lr", "1e-4", ok=False)
+        check(p.returncode == 2 and "decoupled learning rate (embedding and output layer) (--decoupled-lr): 0.002 "
+              "here, 0.001 in the checkpoint" in p.stdout + p.stderr,
+              f"another --decoupled-lr is refused naming the checkpoint's: {p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        p = run(*train, "--decoupled-lr", "2e-3", "--use-checkpoint-opt_param-scheduler", "--save",
+                os.path.join(tmp, "decoupled-resumed"), ok=False)
+        check(p.returncode == 0 and "decoupled learning rate (embedding and output layer) 0.001 (this command line: "
+              "0.002)" in p.stdout + p.stderr,
+              f"--use-checkpoint-opt_param-scheduler takes the checkpoint's rate: {p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        hr, _ = read_ptk(os.path.join(tmp, "decoupled-resumed"))
+        check(hr["opt_param_scheduler"].get("decoupled_lr") == 1e-3, "the resumed run saves the checkpoint's rate")
+        p = run(*train, "--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4", ok=False)
+        check(p.returncode == 0, f"the same rates resume: {p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         # --fp16: fp16 weights, fp32 masters, the dynamic loss scaler carried both ways.
         ptk_fp16, _ = import_matches_reference(tmp, "t1p1-fp16", ["--tp", "1", "--pp", "1", "--fp16"], 56)
         h16, arr16 = read_ptk(ptk_fp16)

@@ -16,6 +16,7 @@ exp_avg_sq) under ptk's (local) names, for the test to compare against.
 
 Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--vp V] [--impl transformer_engine|local] [--bf16|--fp16]
        [--untie] [--layers L] [--hidden H] [--heads N] [--vocab V] [--iteration I]
+       [--decoupled-lr LR [--decoupled-min-lr LR]]
 """
 import argparse
 import collections
@@ -143,6 +144,10 @@ def main():
     ap.add_argument("--positions", type=int, default=16)
     ap.add_argument("--divisible", type=int, default=8)
     ap.add_argument("--iteration", type=int, default=20)
+    ap.add_argument("--decoupled-lr", type=float, default=None,
+                    help="args.decoupled_lr (and --decoupled-min-lr's args.decoupled_min_lr): the run's flags only, its "
+                         "optimizer's groups stay the two")
+    ap.add_argument("--decoupled-min-lr", type=float, default=None)
     a = ap.parse_args()
     tp, pp, h, f = a.tp, a.pp, a.hidden, 4 * a.hidden
     vp = padded(a.vocab, a.divisible, tp)
@@ -201,7 +206,8 @@ def main():
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
         lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration,
         data_parallel_size=1, ddp_bucket_size=a.ddp_bucket_size, overlap_grad_reduce=a.ddp_bucket_size is not None,
-        bias_gelu_fusion=not a.no_bias_gelu_fusion and not a.disable_bias_linear)
+        bias_gelu_fusion=not a.no_bias_gelu_fusion and not a.disable_bias_linear, decoupled_lr=a.decoupled_lr,
+        decoupled_min_lr=a.decoupled_min_lr)
     sched = {"max_lr": 3e-4, "lr_warmup_steps": 80, "num_steps": 8 * a.iteration, "lr_decay_style": "cosine",
              "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
              "wd_incr_steps": 800}
