@@ -59,6 +59,8 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   d.micro_batch_size = o.micro_batch_size;
   d.global_batch_size = o.global_batch_size;
   d.decrease_batch_size = o.decrease_batch_size_if_needed;
+  if (d.decrease_batch_size && !o.rampup_batch_size.empty())  // the real run's refusal (PlanTraining's)
+    return UsageError("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented");
   d.sequence_parallel = flags.options.backend.sequence_parallel;
   d.use_distributed_optimizer = o.use_distributed_optimizer;
   d.precision = flags.bf16 ? Precision::kBf16 : flags.fp16 ? Precision::kFp16 : Precision::kFp32;

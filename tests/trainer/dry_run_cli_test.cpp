@@ -284,6 +284,14 @@ TEST(DryRunCli, DecreaseBatchSizeIfNeededPlansTheBatchTheRunTrainsOn) {
   auto none = RunCmd("WORLD_SIZE=16 " + run + " --global-batch-size 7 --decrease-batch-size-if-needed");
   EXPECT_EQ(none.exit_code, 2) << none.output;
   EXPECT_NE(none.output.find("no micro-batch is left"), std::string::npos) << none.output;
+  // With a ramp: refused, as the real run refuses it (iterations_to_skip_cli_test).
+  auto ramp =
+      RunCmd("WORLD_SIZE=4 " + run +
+             " --global-batch-size 7 --decrease-batch-size-if-needed --rampup-batch-size 2 2 12 --train-samples 40");
+  EXPECT_EQ(ramp.exit_code, 2) << ramp.output;
+  EXPECT_NE(ramp.output.find("--decrease-batch-size-if-needed with --rampup-batch-size is not implemented"),
+            std::string::npos)
+      << ramp.output;
 }
 
 // A real run takes the stage flags with several stages only (Megatron's refusal).
