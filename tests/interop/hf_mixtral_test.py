@@ -18,8 +18,9 @@ Checks:
     of another width, top 2) imported with --loader hf gives the same logits in ptk; ptk-train --finetune trains on
     from it with the flags ptk-convert prints; hf -> ptk -> hf gives back every tensor bit for bit and the
     config's values; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded;
-  * what Mixtral cannot compute is refused by the export (exit 1, the file and the reason named, nothing written),
-    and --saver megatron refuses a MoE checkpoint.
+  * what Mixtral cannot compute is refused by the export (exit 1, the file and the reason named, nothing written);
+  * --saver megatron at tensor and pipeline size 2 and --loader megatron back give the same Mixtral export byte for
+    byte; --target-use-distributed-optimizer is refused for MoE.
 Usage: hf_mixtral_test.py BIN_DIR TEST_BIN_DIR
 """
 import json
@@ -177,9 +178,18 @@ with tempfile.TemporaryDirectory() as tmp:
         check(len(msg.strip().splitlines()) == 1, "{}: the refusal is one line: {!r}".format(what, msg))
         check(not os.path.exists(hfr), "{}: the refused export left {}".format(what, hfr))
         run(["rm", "-rf", ckr])
-    mg = os.path.join(tmp, "megatron")
-    msg = export(ck, mg, expect=1, saver="megatron")
-    check("a mixture-of-experts model (--num-experts 4): ptk-convert does not export MoE checkpoints to Megatron yet"
-          in msg and not os.path.exists(mg), "--saver megatron: {!r}".format(msg))
+    # ---- through Megatron's torch format and back (tensor and pipeline size 2): the same Mixtral export
+    mg, ckm, hfm = os.path.join(tmp, "megatron"), os.path.join(tmp, "ckm"), os.path.join(tmp, "hfm")
+    msg = export(ck, mg, expect=1, saver="megatron", extra=["--target-use-distributed-optimizer"])
+    check("--target-use-distributed-optimizer is not written for MoE checkpoints yet" in msg and
+          not os.path.exists(os.path.join(mg, "iter_0000020")), "--saver megatron, distributed: {!r}".format(msg))
+    export(ck, mg, saver="megatron", extra=["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",
+                                            "2"])
+    out = run([CONVERT, "--loader", "megatron", "--saver", "ptk", "--load-dir", mg, "--save-dir", ckm])
+    check("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 40 --moe-aux-loss-coeff 0.01" in out,
+          "the Megatron import prints the experts' flags: " + out)
+    export(ckm, hfm)
+    check(open(os.path.join(hf, "model.safetensors"), "rb").read() ==
+          open(os.path.join(hfm, "model.safetensors"), "rb").read(), "ptk -> megatron -> ptk -> hf: the weights differ")
 
 finish("hf_mixtral_test")
