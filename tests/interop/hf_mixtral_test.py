@@ -17,7 +17,8 @@ Checks:
   * ptk -> hf -> ptk -> hf is byte-identical; a MixtralForCausalLM made by transformers (grouped heads, 4 experts
     of another width, top 2) imported with --loader hf gives the same logits in ptk; ptk-train --finetune trains on
     from it with the flags ptk-convert prints; hf -> ptk -> hf gives back every tensor bit for bit and the
-    config's values; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded;
+    config's values; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded; with a
+    sliding_window or router_jitter_noise ptk cannot honour it is refused (exit 1, one line, nothing written);
   * what Mixtral cannot compute is refused by the export (exit 1, the file and the reason named, nothing written);
   * --saver megatron at tensor and pipeline size 2 and --loader megatron back give the same Mixtral export byte for
     byte; --target-use-distributed-optimizer is refused for MoE.
@@ -149,6 +150,17 @@ with tempfile.TemporaryDirectory() as tmp:
         check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
     check_finetune(out, ckin)
     check_sharded_import(src, "100KB", ckin, tmp, "mixtral-imported-sharded")
+    # A field ptk cannot honour: exit 1, one line naming config.json and the key, nothing written.
+    cfg = json.load(open(os.path.join(hfsrc, "config.json")))
+    for key, value, reason in (("sliding_window", 256, "sliding_window 256: ptk's attention is causal"),
+                               ("router_jitter_noise", 0.01, "router_jitter_noise 0.01: ptk's router has no jitter")):
+        bad, ckbad = os.path.join(tmp, "bad-" + key), os.path.join(tmp, "ckbad-" + key)
+        os.makedirs(bad)
+        json.dump(dict(cfg, **{key: value}), open(os.path.join(bad, "config.json"), "w"))
+        os.symlink(os.path.join(hfsrc, "model.safetensors"), os.path.join(bad, "model.safetensors"))
+        msg = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", bad, "--save-dir", ckbad], expect=1)
+        check(reason in msg and os.path.join(bad, "config.json") in msg and len(msg.strip().splitlines()) == 1 and
+              not os.path.exists(ckbad), "{}: refused with {!r}".format(key, msg))
 
     # ---- tied, top 1, interleaved rotary pairs; sharded as save_pretrained shards
     ckt, hft = os.path.join(tmp, "ckt"), os.path.join(tmp, "hft")
