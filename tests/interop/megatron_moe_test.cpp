@@ -4,7 +4,8 @@
 // [gate; up] per rank), its pre-MLP norm apart (pre_mlp_layernorm.weight under either layer spec), the args that
 // mark the experts; ptk -> megatron -> ptk gives back every weight and AdamW moment bit for bit at tensor x
 // pipeline sizes 1x1 and 2x2; what ptk's MoE layers do not compute (grouped GEMM, expert parallelism, shared
-// experts, ...) refused naming the flag. tests/support/check_moe_export_with_megatron_core.py loads the export
+// experts, ...) refused naming the flag, and so is a MoE checkpoint in the torch_dist format (naming common.pt).
+// tests/support/check_moe_export_with_megatron_core.py loads the export
 // in megatron-core itself.
 #include <filesystem>
 #include <string>
@@ -206,6 +207,38 @@ TEST_F(MegatronMoe, WhatPtkCannotComputeIsRefusedNamingTheFlag) {
   EXPECT_EQ(c.num_experts, 4);
   EXPECT_EQ(c.moe_layer_pattern, (std::vector<int>{1, 0, 1, 0}));
   EXPECT_TRUE(c.moe_router_pre_softmax);
+}
+
+// A torch_dist checkpoint whose args mark experts (tests/data/torch_dist_llama's, its common.pt's args given
+// num_experts and the moe_* args): refused in one line naming common.pt, nothing written.
+TEST(MegatronMoeDist, ATorchDistMixtureOfExpertsIsRefusedNamingCommonPt) {
+  testing::TempDir dir;
+  const std::string meg = dir / "meg";
+  std::filesystem::copy(testing::SourceDir() + "/tests/data/torch_dist_llama/plain_bf16_tp1", meg,
+                        std::filesystem::copy_options::recursive);
+  const std::string common = meg + "/iter_0000003/common.pt";
+  auto f = torchfmt::TorchArchiveReader::Open(common);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const torchfmt::PyValue* args = (*f)->root().Get("args");
+  ASSERT_TRUE(args && args->state && args->state->kind == torchfmt::PyValue::Kind::kDict);
+  torchfmt::PyRef attrs = torchfmt::MakeDict();
+  for (const auto& [key, v] : args->state->dict)
+    if (key->s != "num_experts") torchfmt::DictSet(attrs.get(), key, v);
+  GPTConfig c = Moe(true);
+  c.moe_ffn_hidden_size = static_cast<int64_t>(*megatron::NumAttr(args, "ffn_hidden_size"));
+  megatron::SetMoeArgs(c, 1, attrs.get());
+  torchfmt::PyRef root = torchfmt::MakeDict();
+  torchfmt::DictSet(root.get(), "args", torchfmt::MakeNamespace(attrs));
+  torchfmt::DictSet(root.get(), "iteration", torchfmt::MakeInt(3));
+  f->reset();
+  ASSERT_TRUE(torchfmt::WriteTorchFile(common, *root, {}).ok());
+  auto r = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", meg, dir / "out"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(),
+            common +
+                ": a mixture-of-experts model (--num-experts 4) in the torch_dist format: ptk-convert reads MoE "
+                "checkpoints in the torch format only (save with --ckpt-format torch)");
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/iter_0000003"));
 }
 
 }  // namespace
