@@ -403,7 +403,7 @@ absl::Status ReadHfTensors(const hf_detail::HfWeights& weights, const GPTConfig&
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
 
-// config.json's model: GPT-2's (model_type "gpt2"), Llama's ("llama") or Qwen3's ("qwen3").
+// config.json's model: GPT-2's (model_type "gpt2"), Llama's ("llama"), Qwen3's ("qwen3") or Mixtral's ("mixtral").
 absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t make_vocab_size_divisible_by,
                                        std::vector<std::string>* notes) {
   PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
@@ -414,9 +414,10 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   if (model_type == "gpt2") return ReadGpt2Config(r, make_vocab_size_divisible_by, notes);
   if (model_type == "llama") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen3") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes, /*qwen3=*/true);
+  if (model_type == "mixtral") return hf_detail::ReadMixtralConfig(r, make_vocab_size_divisible_by, notes);
   return r.Bad(fmt::format(
-      "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\") and Qwen3 "
-      "models (model_type \"qwen3\")",
+      "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\"), Qwen3 "
+      "models (model_type \"qwen3\") and Mixtral models (model_type \"mixtral\")",
       model_type));
 }
 
@@ -449,7 +450,8 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
                                 c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
-                          : hf_detail::LlamaTrainFlags(c);
+                      : c.moe() ? hf_detail::MixtralTrainFlags(c)
+                                : hf_detail::LlamaTrainFlags(c);
   if (c.squared_relu) flags += " --squared-relu";  // relu2
   // gelu: the exact GELU, Megatron's GELU MLP without its fused kernel (--disable-bias-linear selects it too)
   if (c.gelu_exact && c.add_bias_linear) flags += " --no-bias-gelu-fusion";
@@ -499,9 +501,14 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const GPTConfig& c = s.config;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   const bool llama = !c.gpt3();
-  std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
+  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MixtralTensorsOf(c)
+                                  : llama ? hf_detail::LlamaTensorsOf(c)
+                                          : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
-  if (llama) {
+  if (c.moe()) {  // MixtralForCausalLM
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, "Mixtral"));
+    hf_detail::MapMixtralParams(layout, &params, &tensors, /*to_hf=*/false);
+  } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
   } else {
@@ -512,7 +519,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const std::vector<float> zeros(params.size(), 0.0f);
   TrainState state;
   state.seed = 1234;
-  state.settings = llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
+  state.settings = c.moe() ? hf_detail::MixtralSettings(c) : llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
   // The divisor beside the padded vocabulary, as a run records it (Megatron's args hold
   // make_vocab_size_divisible_by): --use-checkpoint-args pads the same from it.
   const auto padded_at = std::find_if(state.settings.begin(), state.settings.end(), [](const auto& kv) {

@@ -464,7 +464,8 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   return c;
 }
 
-absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors,
+                              const std::string& model) {
   std::map<std::string, PresentTensor> present;
   for (const auto& [name, t] : weights.tensors) {
     // The rotary tables older files carry: not weights.
@@ -472,7 +473,7 @@ absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std:
     if (std::regex_match(name, kInvFreq)) continue;
     present.emplace(name, t);
   }
-  return ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights, "", "Llama",
+  return ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights, "", model,
                             tensors, weights.progress);
 }
 

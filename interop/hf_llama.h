@@ -42,8 +42,9 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
 
 // The directory's weights (model.safetensors or its shards): every tensor `tensors` names with its
 // shape and finite values, nothing else (rotary inv_freq buffers aside; a tied model's lm_head.weight
-// only as a copy of the embedding).
-absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors);
+// only as a copy of the embedding). `model` names the model in a refusal of a tensor it has no place for.
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors,
+                              const std::string& model = "Llama");
 
 // The model settings an imported checkpoint records, and ptk-train's flags for that model.
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c);

@@ -1,5 +1,5 @@
-// ptk's mixture-of-experts Llama line -> Hugging Face MixtralForCausalLM: config.json, the router and the
-// experts' [gate; up] split into w1 and w3.
+// ptk's mixture-of-experts Llama line <-> Hugging Face MixtralForCausalLM: config.json, the router and the
+// experts' [gate; up] split into w1 and w3 (and joined back).
 #include "interop/hf_mixtral.h"
 
 #include <algorithm>
@@ -7,6 +7,7 @@
 
 #include <fmt/core.h>
 
+#include "common/status.h"
 #include "interop/hf_config.h"
 #include "interop/hf_llama.h"
 
@@ -105,15 +106,20 @@ std::vector<HfTensor> MixtralTensorsOf(const GPTConfig& c) {
   return t;
 }
 
-void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf) {
-  MapLlamaParams(layout, params, hf, /*to_hf=*/true);  // sizes every tensor; fills the dense parts
+void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
+  MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the dense parts either way
   const GPTConfig& c = layout.config;
   const int64_t h = c.hidden_size, f = c.moe_ffn();
   std::map<std::string, HfTensor*> by_name;
   for (HfTensor& t : *hf) by_name[t.name] = &t;
   auto copy = [&](const std::string& name, int64_t offset) {
     std::vector<float>& d = by_name.at(name)->data;
-    std::copy(params->begin() + offset, params->begin() + offset + static_cast<int64_t>(d.size()), d.begin());
+    float* p = params->data() + offset;
+    if (to_hf) {
+      std::copy(p, p + static_cast<int64_t>(d.size()), d.begin());
+    } else {
+      std::copy(d.begin(), d.end(), p);
+    }
   };
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerParams& lp = layout.layers[static_cast<size_t>(l)];
@@ -127,6 +133,154 @@ void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std
       copy(e + "w2.weight", fc2);
     }
   }
+}
+
+namespace {
+
+// MixtralConfig's dimensions (absent keys: its defaults); head_dim, where a newer config names it,
+// hidden_size / num_attention_heads only.
+absl::Status ReadMixtralDims(const HfConfigReader& r, int64_t make_vocab_size_divisible_by, GPTConfig* c) {
+  PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c->num_layers, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c->hidden_size, 4096));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c->num_attention_heads, 32));
+  // MixtralConfig's default is 8 key/value heads; null ("backward compatibility") one per query head.
+  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c->num_query_groups,
+                               r.Present("num_key_value_heads") ? c->num_attention_heads : 8));
+  PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c->moe_ffn_hidden_size, 14336));
+  c->ffn_hidden_size = c->moe_ffn_hidden_size;  // no dense MLP: the experts' width
+  PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c->max_position_embeddings, 4096 * 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c->vocab_size, 32000));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_local_experts", &c->num_experts, 8));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_experts_per_tok", &c->moe_router_topk, 2));
+  if (c->moe_router_topk > c->num_experts)
+    return r.Bad(
+        fmt::format("num_experts_per_tok {} is more than num_local_experts {}", c->moe_router_topk, c->num_experts));
+  if (c->hidden_size % c->num_attention_heads != 0)
+    return r.Bad(
+        fmt::format("num_attention_heads {} does not divide hidden_size {}", c->num_attention_heads, c->hidden_size));
+  if (c->num_attention_heads % c->num_query_groups != 0)
+    return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c->num_query_groups,
+                             c->num_attention_heads));
+  int64_t head_dim = 0;
+  PTK_RETURN_IF_ERROR(r.GetInt("head_dim", &head_dim, c->hidden_size / c->num_attention_heads));
+  if (head_dim != c->hidden_size / c->num_attention_heads)
+    return r.Bad(fmt::format(
+        "head_dim {} is not hidden_size / num_attention_heads ({}): ptk-convert reads the Mixtral of transformers "
+        "4.44, whose heads are hidden_size / num_attention_heads wide",
+        head_dim, c->hidden_size / c->num_attention_heads));
+  c->seq_length = c->max_position_embeddings;
+  c->padded_vocab_size = PaddedVocabSize(c->vocab_size, make_vocab_size_divisible_by);
+  bool tie = false;
+  PTK_RETURN_IF_ERROR(r.Get("tie_word_embeddings", false, &tie, "true or false"));
+  c->untie_embeddings_and_output_weights = !tie;
+  return absl::OkStatus();
+}
+
+// What transformers' Mixtral may carry that ptk's model does not compute: refused naming the key.
+absl::Status CheckMixtralComputable(const HfConfigReader& r, const GPTConfig& c, std::vector<std::string>* notes) {
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    bool bias = false;
+    PTK_RETURN_IF_ERROR(r.Get(key, false, &bias, "true or false"));
+    if (bias) return r.Bad(fmt::format("{} true: ptk's mixture-of-experts layers have no biases", key));
+  }
+  double jitter = 0;
+  PTK_RETURN_IF_ERROR(r.GetReal("router_jitter_noise", 0.0, &jitter, 0, false, 1, false));
+  if (jitter != 0)
+    return r.Bad(fmt::format(
+        "router_jitter_noise {}: ptk's router has no jitter (transformers scales the hidden states by noise in "
+        "training)",
+        Num(jitter)));
+  simdjson::dom::element e;
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (r.Find(key, &e))
+      return r.Bad(fmt::format(
+          "{} {}: transformers 4.44's Mixtral has plain RoPE only (ptk-convert reads that model: give null)", key,
+          simdjson::minify(e)));
+  double partial = 1.0;
+  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
+  if (partial != 1.0)
+    return r.Bad(
+        fmt::format("partial_rotary_factor {}: transformers' Mixtral rotates every channel of a head", Num(partial)));
+  if (r.Find("layer_types", &e)) return r.Bad("layer_types: ptk's attention is causal over the whole sequence");
+  if (r.Find("sliding_window", &e)) {  // null: none (Mixtral 8x7B's)
+    int64_t window = 0;
+    PTK_RETURN_IF_ERROR(r.GetInt("sliding_window", &window, std::nullopt));
+    if (window < c.max_position_embeddings)
+      return r.Bad(
+          fmt::format("sliding_window {}: ptk's attention is causal over the whole sequence (null, or at least "
+                      "max_position_embeddings {}, computes ptk's model)",
+                      window, c.max_position_embeddings));
+    notes->push_back(fmt::format("sliding_window {} is not below max_position_embeddings {}: no window", window,
+                                 c.max_position_embeddings));
+  }
+  std::string_view act;
+  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
+  if (act != "silu")
+    return r.Bad(fmt::format("hidden_act {:?}: ptk's experts are SwiGLU's (hidden_act \"silu\")", act));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GPTConfig> ReadMixtralConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
+                                            std::vector<std::string>* notes) {
+  GPTConfig c;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.add_bias_linear = false;
+  c.hidden_dropout = 0.0;  // MixtralForCausalLM has none
+  // Mixtral's routing: the softmax over every expert, the top k renormalised = Megatron's softmax over the
+  // top k's logits (neither --moe-router-pre-softmax nor sigmoid), every layer a mixture of experts.
+  c.moe_router_pre_softmax = false;
+  c.moe_router_sigmoid = false;
+  PTK_RETURN_IF_ERROR(ReadMixtralDims(r, make_vocab_size_divisible_by, &c));
+  PTK_RETURN_IF_ERROR(CheckMixtralComputable(r, c, notes));
+  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-5, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c.attention_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 1e6, &c.rotary_base, 0, true, 1e300, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("router_aux_loss_coef", 0.001, &c.moe_aux_loss_coeff, 0, false, 1e300, false));
+  bool router_logits = false;
+  PTK_RETURN_IF_ERROR(r.Get("output_router_logits", false, &router_logits, "true or false"));
+  if (!router_logits && c.moe_aux_loss_coeff > 0)
+    notes->push_back(fmt::format(
+        "router_aux_loss_coef {}: ptk-train adds the load-balancing loss at that weight (--moe-aux-loss-coeff; "
+        "transformers only with output_router_logits); 0 turns it off",
+        Num(c.moe_aux_loss_coeff)));
+  // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
+  const double h = static_cast<double>(c.hidden_size), hd = h / static_cast<double>(c.num_attention_heads),
+               implied = static_cast<double>(c.num_layers) *
+                             (h * hd * static_cast<double>(2 * c.num_attention_heads + 2 * c.num_query_groups) +
+                              static_cast<double>(c.num_experts) * (3 * h * static_cast<double>(c.moe_ffn()) + h)) +
+                         2 * h * static_cast<double>(c.vocab_size);
+  if (implied > 0x1p40)
+    return r.Bad(fmt::format(
+        "num_hidden_layers {}, hidden_size {}, num_local_experts {} of intermediate_size {} and vocab_size {} make "
+        "{:.3g} parameters: more than ptk can hold",
+        c.num_layers, c.hidden_size, c.num_experts, c.moe_ffn(), c.vocab_size, implied));
+  if (absl::Status st = c.Validate(); !st.ok()) return r.Bad(std::string(StatusMessage(st)));
+  return c;
+}
+
+std::vector<std::pair<std::string, std::string>> MixtralSettings(const GPTConfig& c) {
+  std::vector<std::pair<std::string, std::string>> s = LlamaSettings(c);
+  s.insert(s.end(), {{"--num-experts", Int(c.num_experts)},
+                     {"--moe-router-topk", Int(c.moe_router_topk)},
+                     {"--moe-ffn-hidden-size", Int(c.moe_ffn())},
+                     {"--moe-aux-loss-coeff", fmt::format("{}", c.moe_aux_loss_coeff)},
+                     {"--moe-router-score-function", "softmax"},
+                     {"--moe-router-pre-softmax", "off"},
+                     {"--moe-layer-freq", "1"}});
+  return s;
+}
+
+std::string MixtralTrainFlags(const GPTConfig& c) {
+  std::string flags =
+      LlamaTrainFlags(c) + fmt::format(" --num-experts {} --moe-router-topk {} --moe-ffn-hidden-size {}", c.num_experts,
+                                       c.moe_router_topk, c.moe_ffn());
+  if (c.moe_aux_loss_coeff > 0) flags += fmt::format(" --moe-aux-loss-coeff {}", c.moe_aux_loss_coeff);
+  return flags;
 }
 
 }  // namespace ptk::hf_detail

@@ -1,12 +1,14 @@
-// ptk-train's mixture-of-experts models of the Llama line as Hugging Face's MixtralForCausalLM: config.json,
-// the router and experts in Mixtral's names, and what Mixtral cannot compute, refused with the reason.
+// ptk-train's mixture-of-experts models of the Llama line <-> Hugging Face's MixtralForCausalLM: config.json,
+// the router and experts in Mixtral's names, and what either side cannot compute, refused with the reason.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "interop/hf_config.h"
 #include "interop/hf_gpt2_tensors.h"
 #include "trainer/param_layout.h"
 
@@ -26,8 +28,27 @@ std::string MixtralConfigJson(const GPTConfig& c, int64_t eod);
 // experts.J.w1, w2, w3 after its attention), full names, shapes set, data empty.
 std::vector<HfTensor> MixtralTensorsOf(const GPTConfig& c);
 
-// ptk's flat parameters into `hf` (MixtralTensorsOf's): the Llama line's as MapLlamaParams; the router
-// as gate; each expert's linear_fc1 rows [gate; up] as w1 and w3, linear_fc2 as w2.
-void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf);
+// Between ptk's flat parameters and `hf` (MixtralTensorsOf's): the Llama line's as MapLlamaParams; the
+// router as gate; each expert's linear_fc1 rows [gate; up] as w1 and w3, linear_fc2 as w2. `to_hf` sizes
+// `hf`'s tensors and fills them; otherwise `params` is filled from them (the padded vocabulary rows as
+// MapLlamaParams fills them).
+void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf,
+                      bool to_hf = true);
+
+// config.json (model_type "mixtral", absent keys MixtralConfig's defaults) as ptk's model: the Llama line
+// (RMSNorm, RoPE over every channel, SwiGLU, no biases) with every layer's MLP num_local_experts SwiGLU
+// experts of intermediate_size, routed to the top num_experts_per_tok of the softmax over all experts,
+// renormalised (Megatron's softmax over the top k's logits, --moe-router-topk's default routing), the
+// load-balancing loss weighted by router_aux_loss_coef (--moe-aux-loss-coeff). Refused naming the key where
+// ptk would compute another model: a sliding_window shorter than max_position_embeddings, a
+// router_jitter_noise, an activation but SiLU, biases, a rope_scaling (transformers 4.44's Mixtral reads
+// none), head_dim other than hidden_size / num_attention_heads.
+absl::StatusOr<GPTConfig> ReadMixtralConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
+                                            std::vector<std::string>* notes);
+
+// The model settings an imported Mixtral checkpoint records (the Llama line's and the experts'), and
+// ptk-train's flags for that model.
+std::vector<std::pair<std::string, std::string>> MixtralSettings(const GPTConfig& c);
+std::string MixtralTrainFlags(const GPTConfig& c);
 
 }  // namespace ptk::hf_detail

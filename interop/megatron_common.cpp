@@ -54,8 +54,18 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
           {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
           {"pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"},
       };
-      auto te = kTe.find(rest);
+      // A mixture of experts' layer keeps its pre-MLP norm apart (TENorm: no linear_fc1 to fuse it into).
+      auto te = c.moe_layer(l) && rest.rfind("pre_mlp_layernorm.", 0) == 0 ? kTe.end() : kTe.find(rest);
       m.te_name = te == kTe.end() ? m.local_name : fmt::format("decoder.layers.{}.{}", l % per_stage, te->second);
+      // SequentialMLP's experts (one expert rank): each an MLP split over the tensor ranks as the dense one;
+      // the router (mlp.router.weight) whole on every rank.
+      static const std::regex kExpert(R"(mlp\.experts\.local_experts\.\d+\.(linear_fc1|linear_fc2)\.weight)");
+      std::smatch em;
+      if (std::regex_match(rest, em, kExpert)) {
+        m.expert = true;
+        m.split = em[1] == "linear_fc1" ? 0 : 1;
+        if (c.swiglu && m.split == 0) m.chunks = 2;
+      }
       if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
           rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
         m.split = 0;
@@ -290,13 +300,13 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   // Megatron's GELU MLP is the tanh GELU only through its fused bias-GELU kernel; unfused (--no-bias-gelu-fusion,
   // or no biases, which its arguments.py lets not fuse) it is torch's exact erf GELU.
   c.gelu_exact = !c.swiglu && !c.squared_relu && (!BoolAttr(args, "bias_gelu_fusion", true) || !c.add_bias_linear);
-  if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
   if (!unsupported.empty())
     return absl::FailedPreconditionError(fmt::format(
         "{}: the model was trained with {}: ptk's model is Megatron's GPT with the Llama line's settings "
         "(--normalization, --position-embedding-type rope, --swiglu, --group-query-attention, --kv-channels, "
         "--disable-bias-linear, --qk-layernorm, --squared-relu, --apply-layernorm-1p)",
         source, fmt::join(unsupported, ", ")));
+  PTK_RETURN_IF_ERROR(ReadMoeArgs(args, source, tp, &c));  // --num-experts: ptk's MoE layers
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;
@@ -315,9 +325,11 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
                                    "tensor-parallel ranks",
                                    out.ckpt_padded, c.vocab_size, c.padded_vocab_size, tp));
   if (absl::Status st = c.Validate(); !st.ok()) return bad(source, std::string(StatusMessage(st)));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0)
-    return bad(source, fmt::format("{} heads / {} query groups / ffn {} do not split over {} tensor-parallel ranks",
-                                   c.num_attention_heads, c.query_groups(), c.ffn_hidden_size, tp));
+  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0 ||
+      (c.moe() && c.moe_ffn() % tp != 0))
+    return bad(source,
+               fmt::format("{} heads / {} query groups / ffn {} do not split over {} tensor-parallel ranks",
+                           c.num_attention_heads, c.query_groups(), c.moe() ? c.moe_ffn() : c.ffn_hidden_size, tp));
   return out;
 }
 
@@ -463,6 +475,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   if (args != nullptr && args->Get("calculate_per_token_loss") != nullptr)
     state.settings.emplace_back("--calculate-per-token-loss", per_token ? "on" : "off");
   if (!optimizer_state && !s->release) state.settings.emplace_back(kOptimizerStateSetting, "none");
+  AddMoeSettings(c, &state.settings);
   SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
   PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
@@ -488,6 +501,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "", LlamaLineFlags(c));
   if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
   if (c.squared_relu) s->train_flags += " --squared-relu";
+  s->train_flags += MoeTrainFlags(c);
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";

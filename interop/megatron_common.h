@@ -34,6 +34,7 @@ struct MegParam {
   int chunks = 1;                   // split 0: blocks of rows each split across the ranks (SwiGLU's [gate; up])
   bool vocab = false;               // rows are the padded vocabulary
   bool decay = false;               // Megatron's first parameter group (weight decay applies)
+  bool expert = false;              // an expert's linear_fc1 or linear_fc2 (SequentialMLP's local_experts.K)
 };
 
 // The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
@@ -102,6 +103,17 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
                           bool optimizer_state, int64_t adam_step, const std::vector<float>& weights,
                           const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s);
+
+// Megatron's mixture of experts (interop/megatron_moe.cpp). SetMoeArgs: the args that mark `c`'s MoE layers
+// (num_experts, moe_*; one expert rank, SequentialMLP, the experts split over the `tp` tensor ranks), or
+// num_experts None for a dense model, into the args Namespace's dict `a`. ReadMoeArgs: the MoE layers args
+// describe into `c` (nothing for a dense model); what ptk's MoE layers do not compute (grouped GEMM,
+// expert parallelism, shared experts, capacity, z-loss, ...) refused naming `source` and each flag.
+void SetMoeArgs(const GPTConfig& c, int64_t tp, PyValue* a);
+absl::Status ReadMoeArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c);
+// An imported MoE model's settings (as ptk-train records them) and ptk-train's flags for it ("" when dense).
+void AddMoeSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
+std::string MoeTrainFlags(const GPTConfig& c);
 
 // A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
 // (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins unless `release`).

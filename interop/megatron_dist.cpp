@@ -295,6 +295,11 @@ class DistImport {
     saved_tp_ = static_cast<int64_t>(NumAttr(args_, "tensor_model_parallel_size").value_or(1));
     saved_pp_ = static_cast<int64_t>(NumAttr(args_, "pipeline_model_parallel_size").value_or(1));
     PTK_ASSIGN_OR_RETURN(model_, ModelFromArgs(args_, common_, o_, saved_tp_));
+    if (model_.config.moe())  // its experts' sharded keys are not read yet
+      return absl::FailedPreconditionError(fmt::format(
+          "{}: a mixture-of-experts model (--num-experts {}) in the torch_dist format: ptk-convert reads MoE "
+          "checkpoints in the torch format only (save with --ckpt-format torch)",
+          common_, model_.config.num_experts));
     s_.config = model_.config;
     PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config()));
     layout_ = std::move(layout);

@@ -427,10 +427,12 @@ absl::StatusOr<int64_t> CheckExportTarget(const ConvertOptions& o, const GPTConf
         fmt::format("{}: a vocabulary of {} padded to {} is not a multiple of "
                     "--make-vocab-size-divisible-by {}: give the value the run was trained with",
                     file, c.vocab_size, c.padded_vocab_size, o.make_vocab_size_divisible_by));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0)
+  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0 ||
+      (c.moe() && c.moe_ffn() % tp != 0))
     return UsageError(
-        fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
-                    c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
+        fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}{}", tp,
+                    c.num_attention_heads, c.query_groups(), c.ffn_hidden_size,
+                    c.moe() ? fmt::format(" and the experts' ffn {}", c.moe_ffn()) : ""));
   if (o.target_ddp_bucket_size > 0 && !o.target_use_distributed_optimizer)
     return UsageError(fmt::format(
         "--target-ddp-bucket-size {}: places the distributed optimizer's state (--target-use-distributed-optimizer)",
@@ -495,10 +497,11 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
                        LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
-  if (c.moe())  // Megatron's MoE checkpoint layout (its experts' sharded names) is not written yet
+  if (c.moe() && o.target_use_distributed_optimizer)  // megatron-core's grad buffers of experts: not checked yet
     return absl::FailedPreconditionError(fmt::format(
-        "{}: a mixture-of-experts model (--num-experts {}): ptk-convert does not export MoE checkpoints to Megatron "
-        "yet (--saver hf writes it as MixtralForCausalLM where Mixtral computes it); ptk-train resumes it",
+        "{}: a mixture-of-experts model (--num-experts {}): --target-use-distributed-optimizer is not written for "
+        "MoE checkpoints yet (the plain optimizer's state is: leave the flag out, and resume Megatron without "
+        "--use-distributed-optimizer)",
         ck.file, c.num_experts));
   s.notes = ck.notes;
   s.source = ck.file;

@@ -121,7 +121,7 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_b("sequence_parallel", false);
   set_i("data_parallel_size", 1);
   set_i("world_size", tp * pp);
-  set_none("num_experts");
+  SetMoeArgs(c, tp, a);  // num_experts None, or the mixture of experts' args
   set_s("transformer_impl", o.saver_transformer_impl);
   set_s("ckpt_format", "torch");
   set_b("use_distributed_optimizer", o.target_use_distributed_optimizer);

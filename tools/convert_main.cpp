@@ -121,10 +121,11 @@ absl::Status CheckDirectionFlags(const ptk::ConvertOptions& o, bool max_shard_si
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp("ptk-convert",
-                               "Convert a ptk checkpoint to a Hugging Face GPT-2 or Llama directory (--loader ptk "
-                               "--saver hf) or a Megatron checkpoint "
-                               "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
+  auto app = ptk::cli::MakeApp(
+      "ptk-convert",
+      "Convert a ptk checkpoint to a Hugging Face GPT-2, Llama, Qwen3 or Mixtral directory (--loader ptk "
+      "--saver hf) or a Megatron checkpoint "
+      "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
   ptk::ConvertOptions o;
   std::string model_type = "GPT";
   app->add_option("--model-type", model_type, "GPT (the only model ptk has)")->check(CLI::IsMember({"GPT"}));

@@ -1,18 +1,30 @@
 // ptk-convert's MixtralForCausalLM mapping, without transformers (hf_mixtral_test.py runs the exported model in
 // it): the router and each expert's w1/w3 (linear_fc1's [gate; up]) and w2 at their ptk offsets, Mixtral's
 // state_dict order, config.json's keys, and every setting Mixtral cannot compute refused naming it; a MoE
-// checkpoint's header read back whole by LoadPtkCheckpoint (a bad one refused naming the file).
+// checkpoint's header read back whole by LoadPtkCheckpoint (a bad one refused naming the file). The import:
+// ptk -> hf -> ptk gives back every weight bit for bit, a MixtralForCausalLM saved by transformers 4.44.2
+// (tests/data/interop/mixtral_tiny, tests/support/gen_mixtral_hf_golden.py) imports and ptk's Forward gives its
+// logits and loss, and what ptk cannot compute or a damaged directory is refused in one line naming the file
+// and the key or tensor.
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
+#include <simdjson.h>
 
 #include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "interop/hf_mixtral.h"
+#include "interop/safetensors.h"
 #include "tests/interop/hf_convert_fixture.h"
+#include "tests/test_util.h"
+#include "trainer/backend.h"
 
 namespace ptk::hf_detail {
 namespace {
@@ -174,6 +186,259 @@ TEST_F(HfMixtralLoad, TheCheckpointsExpertsAreReadBackAndABadHeaderIsRefused) {
   EXPECT_NE(bad.status().message().find(ck->file + ": the header's description of the mixture of experts"),
             std::string::npos)
       << bad.status();
+}
+
+// The Mixtral shape with GPT-2's vocabulary (what the export's built-in tokenizer has), saved at iteration 5.
+class HfMixtralRoundTrip : public ptk::testing::HfConvertFixture {
+ protected:
+  GPTConfig Saved(const std::string& dir, bool untie = true, int64_t topk = 2) {
+    GPTConfig c = Mixtral();
+    c.vocab_size = 50257;
+    c.padded_vocab_size = 50304;
+    c.untie_embeddings_and_output_weights = untie;
+    c.moe_router_topk = topk;
+    c.rotary_base = 500000;
+    c.layernorm_epsilon = 1e-5;
+    SaveModel(c, dir, 5,
+              {{"--vocab-size", "50257"},
+               {"--layernorm-epsilon", "1e-05"},
+               {"--hidden-dropout", "0"},
+               {"--attention-dropout", "0"},
+               {"--moe-aux-loss-coeff", "0.01"}});
+    return c;
+  }
+};
+
+TEST_F(HfMixtralRoundTrip, PtkToHfToPtkGivesBackEveryWeightBitForBit) {
+  for (bool untie : {true, false}) {
+    const std::string tag = untie ? "u" : "t";
+    const GPTConfig c = Saved(dir_ / ("ck" + tag), untie, untie ? 2 : 1);
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("ck" + tag), dir_ / ("hf" + tag))).ok());
+    auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / ("hf" + tag), dir_ / ("back" + tag)));
+    ASSERT_TRUE(imp.ok()) << imp.status();
+    EXPECT_NE(imp->train_flags.find(fmt::format("--num-experts 4 --moe-router-topk {} --moe-ffn-hidden-size 6 "
+                                                "--moe-aux-loss-coeff 0.01",
+                                                c.moe_router_topk)),
+              std::string::npos)
+        << imp->train_flags;
+    EXPECT_NE(imp->train_flags.find("--ffn-hidden-size 6 "), std::string::npos) << imp->train_flags;
+    EXPECT_NE(imp->train_flags.find("--disable-bias-linear"), std::string::npos) << imp->train_flags;
+    auto back = LoadPtkCheckpoint(dir_ / ("back" + tag));
+    ASSERT_TRUE(back.ok()) << back.status();
+    const GPTConfig& b = back->config;
+    EXPECT_EQ(b.num_experts, 4);
+    EXPECT_EQ(b.moe_router_topk, c.moe_router_topk);
+    EXPECT_EQ(b.moe_ffn(), 6);
+    EXPECT_EQ(b.moe_aux_loss_coeff, 0.01);
+    EXPECT_FALSE(b.moe_router_pre_softmax || b.moe_router_sigmoid);
+    EXPECT_EQ(b.moe_layers(), 2);
+    EXPECT_EQ(b.num_query_groups, 1);
+    EXPECT_EQ(b.rotary_base, 500000);
+    EXPECT_EQ(b.layernorm_epsilon, 1e-5);
+    EXPECT_EQ(b.untie_embeddings_and_output_weights, untie);
+    EXPECT_EQ(b.padded_vocab_size, 50304);
+    // Every weight bit for bit but the padded vocabulary rows (dropped by the export, copies of the last row).
+    ASSERT_EQ(back->params.size(), params_.size());
+    const int64_t h = c.hidden_size;
+    int64_t differ = 0;
+    for (int64_t i = 0; i < layout_.num_params; ++i) {
+      const bool padded = (i >= layout_.wte + 50257 * h && i < layout_.wte + 50304 * h) ||
+                          (untie && i >= layout_.out_w + 50257 * h && i < layout_.out_w + 50304 * h);
+      if (!padded && back->params[static_cast<size_t>(i)] != P(i)) ++differ;
+    }
+    EXPECT_EQ(differ, 0) << tag;
+    // And exported again: the same files, byte for byte.
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
+    for (const char* f : {"model.safetensors", "config.json"})
+      EXPECT_EQ(ptk::testing::ReadFile(dir_ / ("hf" + tag + "/" + f)),
+                ptk::testing::ReadFile(dir_ / ("hf2" + tag + "/" + f)))
+          << tag << " " << f;
+  }
+}
+
+// config.json with `from` replaced by `to` (the first one), `from` required to be there.
+std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
+  EXPECT_NE(config.find(from), std::string::npos) << from;
+  std::string out = config;
+  if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
+  return out;
+}
+
+TEST_F(HfMixtralRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey) {
+  Saved(dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ptk::testing::ReadFile(hf + "/config.json");
+  struct Case {
+    std::string from, to, why;
+  };
+  const Case bad[] = {
+      {"\"sliding_window\": null", "\"sliding_window\": 8",
+       "sliding_window 8: ptk's attention is causal over the whole sequence"},
+      {"\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.01",
+       "router_jitter_noise 0.01: ptk's router has no jitter"},
+      {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act \"gelu\": ptk's experts are SwiGLU's"},
+      {"\"use_cache\": true", "\"use_cache\": true, \"attention_bias\": true",
+       "attention_bias true: ptk's mixture-of-experts layers have no biases"},
+      {"\"use_cache\": true", "\"use_cache\": true, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}",
+       "rope_scaling {\"rope_type\":\"linear\",\"factor\":2.0}: transformers 4.44's Mixtral has plain RoPE only"},
+      {"\"use_cache\": true", "\"use_cache\": true, \"head_dim\": 8", "head_dim 8 is not hidden_size / "},
+      {"\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5", "num_experts_per_tok 5 is more than "},
+      {"\"num_local_experts\": 4", "\"num_local_experts\": \"4\"", "num_local_experts"},
+      {"\"router_aux_loss_coef\": 0.01", "\"router_aux_loss_coef\": -1", "router_aux_loss_coef"},
+  };
+  int n = 0;
+  for (const Case& k : bad) {
+    ptk::testing::WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
+    ASSERT_FALSE(r.ok()) << k.to;
+    const std::string msg(r.status().message());
+    EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir_ / ("out" + std::to_string(n - 1)) + "/iter_0000000")) << k.to;
+  }
+  // A window no shorter than the positions masks nothing: the same model, with a note.
+  ptk::testing::WriteFile(hf + "/config.json", Edited(config, "\"sliding_window\": null", "\"sliding_window\": 16"));
+  auto w = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-window"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  bool noted = false;
+  for (const std::string& note : w->notes) noted |= note.find("sliding_window 16 is not below") == 0;
+  EXPECT_TRUE(noted);
+}
+
+TEST_F(HfMixtralRoundTrip, ImportRefusesAMissingExpertAWrongShapeAndAMissingShard) {
+  Saved(dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
+  ASSERT_TRUE(f.ok());
+  std::vector<std::vector<float>> kept;
+  kept.reserve((*f)->tensors().size());
+  std::vector<SafetensorsEntry> all;
+  for (const SafetensorsTensor& t : (*f)->tensors()) {
+    kept.push_back(*(*f)->ReadFloat(t));
+    all.push_back({t.name, t.shape, kept.back()});
+  }
+  f->reset();
+  const std::string expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+  // One expert's w3 left out.
+  std::vector<SafetensorsEntry> entries;
+  for (const SafetensorsEntry& e : all)
+    if (e.name != expert) entries.push_back(e);
+  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+  auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-missing"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(hf + "/model.safetensors: tensor " + expert +
+                                      ": missing (config.json asks for shape [6, 8])"),
+            std::string::npos)
+      << r.status();
+  // The router with the wrong shape: 3 experts' rows of 4.
+  entries = all;
+  std::vector<float> gate(3 * 8, 0.5f);
+  for (SafetensorsEntry& e : entries)
+    if (e.name == "model.layers.0.block_sparse_moe.gate.weight") e = {e.name, {3, 8}, gate};
+  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+  r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-shape"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(
+      r.status().message().find(hf + "/model.safetensors: tensor model.layers.0.block_sparse_moe.gate.weight: shape "
+                                     "[3, 8], config.json asks for [4, 8]"),
+      std::string::npos)
+      << r.status();
+  // Sharded, one shard gone: refused naming the shard and a tensor the index puts there.
+  const std::string hfs = dir_ / "hfs";
+  ConvertOptions o = Opts("ptk", "hf", dir_ / "ck", hfs);
+  o.max_shard_size = "1KB";
+  ASSERT_TRUE(ExportToHf(o).ok());
+  ASSERT_TRUE(std::filesystem::exists(hfs + "/model.safetensors.index.json"));
+  std::string gone;
+  for (const auto& e : std::filesystem::directory_iterator(hfs))
+    if (e.path().filename().string().find("-of-") != std::string::npos &&
+        (gone.empty() || e.path().filename().string() > gone))
+      gone = e.path().filename().string();
+  ASSERT_FALSE(gone.empty());
+  std::filesystem::remove(hfs + "/" + gone);
+  r = ImportFromHf(Opts("hf", "ptk", hfs, dir_ / "out-shard"));
+  ASSERT_FALSE(r.ok());
+  const std::string msg(r.status().message());
+  EXPECT_NE(msg.find(gone), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+// tests/data/interop/mixtral_tiny: a MixtralForCausalLM transformers 4.44.2 made and saved (2 layers, hidden 16,
+// 4 heads in 2 groups, 4 experts of 24, top 2, vocabulary 96), and its logits and loss on two sequences.
+// Tolerance: 1e-4 on the logits (absolute; they are of order 1) and 1e-5 on the loss, as the other HF
+// comparisons (hf_test_common.py's TOL): both compute in fp32, in other orders of summation (the largest
+// difference seen is ~1e-6). Routing each token to one expert moves the logits by far more.
+TEST(HfMixtralGolden, AMixtralSavedByTransformersImportsWithItsLogitsAndLoss) {
+  const std::string src = ptk::testing::SourceDir() + "/tests/data/interop/mixtral_tiny";
+  ptk::testing::TempDir tmp;
+  // Padded with --make-vocab-size-divisible-by 32 to 96 rows, none added: ptk's loss is then the softmax over
+  // transformers' 96 logits (the default 128 would add 32 copies of the last row to the softmax).
+  ConvertOptions o = ptk::testing::ConvertOpts("hf", "ptk", src, tmp / "ck");
+  o.make_vocab_size_divisible_by = 32;
+  auto imp = ImportFromHf(o);
+  ASSERT_TRUE(imp.ok()) << imp.status();
+  EXPECT_NE(imp->train_flags.find("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-aux-loss-coeff "
+                                  "0.02"),
+            std::string::npos)
+      << imp->train_flags;
+  auto ck = LoadPtkCheckpoint(tmp / "ck");
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  GPTConfig c = ck->config;
+  EXPECT_EQ(c.num_query_groups, 2);
+  EXPECT_EQ(c.rotary_base, 10000);
+  EXPECT_EQ(c.padded_vocab_size, 96);
+  simdjson::dom::parser parser;
+  simdjson::dom::element golden;
+  ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
+  // ptk's logits and loss for `config`; the largest logit difference.
+  auto compare = [&](const GPTConfig& config, bool expect_equal) {
+    auto model = CreateModel(config, BackendOptions{});
+    EXPECT_TRUE(model.ok()) << model.status();
+    if (!model.ok()) return 0.0;
+    EXPECT_TRUE((*model)->WriteParams(ck->params).ok());
+    double worst = 0;
+    for (simdjson::dom::element s : golden["sequences"].get_array()) {
+      std::vector<int32_t> tokens;
+      for (int64_t id : s["tokens"].get_array()) tokens.push_back(static_cast<int32_t>(id));
+      const int64_t t = static_cast<int64_t>(tokens.size());
+      std::vector<int32_t> labels(tokens.size(), 0), pos(tokens.size());
+      std::vector<float> mask(tokens.size(), 0.0f), logits;
+      for (int64_t i = 0; i < t; ++i) {
+        pos[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+        if (i + 1 < t) {  // HF's loss: each token's logits against the next token
+          labels[static_cast<size_t>(i)] = tokens[static_cast<size_t>(i + 1)];
+          mask[static_cast<size_t>(i)] = 1.0f;
+        }
+      }
+      ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
+      auto loss = (*model)->Forward(b, &logits);
+      EXPECT_TRUE(loss.ok()) << loss.status();
+      if (!loss.ok()) return 0.0;
+      int64_t k = 0;
+      for (double want : s["logits"].get_array()) {
+        const int64_t row = k / 96, col = k % 96;
+        worst = std::max(worst, std::abs(want - logits[static_cast<size_t>(row * 96 + col)]));
+        ++k;
+      }
+      EXPECT_EQ(k, t * 96);
+      if (expect_equal) {
+        const double want = s["loss"].get_double().value(), got = loss->loss_sum / loss->tokens;
+        EXPECT_NEAR(got, want, 1e-5);
+        std::printf("%lld tokens: loss %.7f, transformers' %.7f\n", static_cast<long long>(t), got, want);
+      }
+    }
+    return worst;
+  };
+  const double worst = compare(c, true);
+  EXPECT_LE(worst, 1e-4);
+  std::printf("ptk's logits differ from transformers' by at most %.3g (tolerance 1e-4)\n", worst);
+  // The test can tell: one expert per token instead of two moves the logits far past the tolerance.
+  GPTConfig top1 = c;
+  top1.moe_router_topk = 1;
+  EXPECT_GT(compare(top1, false), 1e-2);
 }
 
 }  // namespace

@@ -14,8 +14,14 @@ Checks:
     moves the logits past the tolerance; greedy generation continues as ptk's sampler;
   * a tied model with top 1 and --rotary-interleaved, the same; sharded with --max-shard-size 100KB it loads to the
     same logits, sharded as save_pretrained shards it;
-  * what Mixtral cannot compute is refused by the export (exit 1, the file and the reason named, nothing written),
-    and --saver megatron refuses a MoE checkpoint.
+  * ptk -> hf -> ptk -> hf is byte-identical; a MixtralForCausalLM made by transformers (grouped heads, 4 experts
+    of another width, top 2) imported with --loader hf gives the same logits in ptk; ptk-train --finetune trains on
+    from it with the flags ptk-convert prints; hf -> ptk -> hf gives back every tensor bit for bit and the
+    config's values; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded; with a
+    sliding_window or router_jitter_noise ptk cannot honour it is refused (exit 1, one line, nothing written);
+  * what Mixtral cannot compute is refused by the export (exit 1, the file and the reason named, nothing written);
+  * --saver megatron at tensor and pipeline size 2 and --loader megatron back give the same Mixtral export byte for
+    byte; --target-use-distributed-optimizer is refused for MoE.
 Usage: hf_mixtral_test.py BIN_DIR TEST_BIN_DIR
 """
 import json
@@ -23,9 +29,10 @@ import os
 import random
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, check_sharded_export, compare_logits, finish, hf_logits,
-                            load_checked, numpy, run, torch)
-from transformers import MixtralForCausalLM
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, check_sharded_export, check_sharded_import,
+                            compare_logits, finish, hf_logits, load_checked, numpy, run, torch)
+from safetensors import safe_open
+from transformers import MixtralConfig, MixtralForCausalLM
 
 
 def load_hf(path, **kwargs):
@@ -48,6 +55,11 @@ CONVERT = os.path.join(BIN, "ptk-convert")
 def export(ck, hf, expect=0, saver="hf", extra=()):
     return run([CONVERT, "--model-type", "GPT", "--loader", "ptk", "--saver", saver, "--load-dir", ck, "--save-dir",
                 hf] + list(extra), expect)
+
+
+def tensors(path):
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def routing_matches():
@@ -103,6 +115,53 @@ with tempfile.TemporaryDirectory() as tmp:
                                    + [str(i) for i in prompt_ids]).split()]
     check(gen.tolist() == ptk_ids, "greedy continuation: transformers {} ptk {}".format(gen.tolist(), ptk_ids))
 
+    # ---- ptk -> hf -> ptk -> hf, byte for byte
+    back, hf2 = os.path.join(tmp, "back"), os.path.join(tmp, "hf2")
+    run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hf, "--save-dir", back])
+    export(back, hf2)
+    for name in sorted(os.listdir(hf)):
+        check(open(os.path.join(hf, name), "rb").read() == open(os.path.join(hf2, name), "rb").read(),
+              "export -> import -> export: {} differs".format(name))
+
+    # ---- a MixtralForCausalLM transformers made, imported into ptk, and back
+    torch.manual_seed(45)
+    src = MixtralForCausalLM(MixtralConfig(
+        num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=80,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=50257, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=1e6, initializer_range=0.1, router_aux_loss_coef=0.001)).eval()
+    with torch.no_grad():  # the RMSNorm weights away from their 1 init, so they are tested too
+        for name, p in src.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hfsrc, ckin, hfout = os.path.join(tmp, "hfsrc"), os.path.join(tmp, "ckin"), os.path.join(tmp, "hfout")
+    src.save_pretrained(hfsrc, safe_serialization=True)
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc, "--save-dir", ckin])
+    compare_logits(ckin, src, SEQS, 50257, tmp, "imported")
+    export(ckin, hfout)
+    a, b = tensors(hfsrc), tensors(hfout)
+    check(sorted(a) == sorted(b), "hf -> ptk -> hf: tensors {}".format(sorted(set(a) ^ set(b))[:4]))
+    for k in sorted(set(a) & set(b)):
+        check(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), "hf -> ptk -> hf: {} differs".format(k))
+    ca, cb = src.config.to_dict(), MixtralConfig.from_pretrained(hfout).to_dict()
+    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "vocab_size",
+              "max_position_embeddings", "rms_norm_eps", "rope_theta", "sliding_window", "tie_word_embeddings",
+              "hidden_act", "initializer_range", "router_jitter_noise"):
+        check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
+    check_finetune(out, ckin)
+    check_sharded_import(src, "100KB", ckin, tmp, "mixtral-imported-sharded")
+    # A field ptk cannot honour: exit 1, one line naming config.json and the key, nothing written.
+    cfg = json.load(open(os.path.join(hfsrc, "config.json")))
+    for key, value, reason in (("sliding_window", 256, "sliding_window 256: ptk's attention is causal"),
+                               ("router_jitter_noise", 0.01, "router_jitter_noise 0.01: ptk's router has no jitter")):
+        bad, ckbad = os.path.join(tmp, "bad-" + key), os.path.join(tmp, "ckbad-" + key)
+        os.makedirs(bad)
+        json.dump(dict(cfg, **{key: value}), open(os.path.join(bad, "config.json"), "w"))
+        os.symlink(os.path.join(hfsrc, "model.safetensors"), os.path.join(bad, "model.safetensors"))
+        msg = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", bad, "--save-dir", ckbad], expect=1)
+        check(reason in msg and os.path.join(bad, "config.json") in msg and len(msg.strip().splitlines()) == 1 and
+              not os.path.exists(ckbad), "{}: refused with {!r}".format(key, msg))
+
     # ---- tied, top 1, interleaved rotary pairs; sharded as save_pretrained shards
     ckt, hft = os.path.join(tmp, "ckt"), os.path.join(tmp, "hft")
     run(TRAIN + ["--swiglu", "--moe-router-topk", "1", "--rotary-interleaved", "--train-iters", "6", "--save", ckt])
@@ -131,9 +190,18 @@ with tempfile.TemporaryDirectory() as tmp:
         check(len(msg.strip().splitlines()) == 1, "{}: the refusal is one line: {!r}".format(what, msg))
         check(not os.path.exists(hfr), "{}: the refused export left {}".format(what, hfr))
         run(["rm", "-rf", ckr])
-    mg = os.path.join(tmp, "megatron")
-    msg = export(ck, mg, expect=1, saver="megatron")
-    check("a mixture-of-experts model (--num-experts 4): ptk-convert does not export MoE checkpoints to Megatron yet"
-          in msg and not os.path.exists(mg), "--saver megatron: {!r}".format(msg))
+    # ---- through Megatron's torch format and back (tensor and pipeline size 2): the same Mixtral export
+    mg, ckm, hfm = os.path.join(tmp, "megatron"), os.path.join(tmp, "ckm"), os.path.join(tmp, "hfm")
+    msg = export(ck, mg, expect=1, saver="megatron", extra=["--target-use-distributed-optimizer"])
+    check("--target-use-distributed-optimizer is not written for MoE checkpoints yet" in msg and
+          not os.path.exists(os.path.join(mg, "iter_0000020")), "--saver megatron, distributed: {!r}".format(msg))
+    export(ck, mg, saver="megatron", extra=["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",
+                                            "2"])
+    out = run([CONVERT, "--loader", "megatron", "--saver", "ptk", "--load-dir", mg, "--save-dir", ckm])
+    check("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 40 --moe-aux-loss-coeff 0.01" in out,
+          "the Megatron import prints the experts' flags: " + out)
+    export(ckm, hfm)
+    check(open(os.path.join(hf, "model.safetensors"), "rb").read() ==
+          open(os.path.join(hfm, "model.safetensors"), "rb").read(), "ptk -> megatron -> ptk -> hf: the weights differ")
 
 finish("hf_mixtral_test")

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""The golden of ptk-convert's MixtralForCausalLM import (tests/interop/hf_mixtral_convert_test.cpp,
+HfMixtralGolden): a tiny random MixtralForCausalLM made and saved by Hugging Face transformers itself, and its
+logits and loss on fixed tokens.
+
+Run with transformers 4.44.2 on Debian's torch 1.13 (scripts/install-deps.sh --with-python-ref):
+  PYTHONPATH=/opt/ptk-pyref /usr/bin/python3 tests/support/gen_mixtral_hf_golden.py tests/data/interop/mixtral_tiny
+Writes OUT/config.json and OUT/model.safetensors (save_pretrained, fp32) and OUT/golden.json: the token sequences,
+each one's logits (t x vocab_size, float32 values as float64 text) and its mean next-token cross-entropy loss.
+
+The model: 2 layers, hidden 16, 4 query heads in 2 key/value groups, 4 SwiGLU experts of width 24, top 2, RoPE
+base 10000, untied output layer, vocabulary 96; weights N(0, 0.2) (initializer_range), the RMSNorm weights moved
+off their 1 init so that they are tested too.
+"""
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import MixtralConfig, MixtralForCausalLM
+
+SEQS = [[3, 17, 41, 88, 5, 60, 2, 95, 33], [int(x) for x in torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(7))]]
+
+
+def main(out):
+    assert transformers.__version__ == "4.44.2", transformers.__version__
+    torch.manual_seed(46)
+    config = MixtralConfig(vocab_size=96, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           initializer_range=0.2, rms_norm_eps=1e-5, rope_theta=10000.0, num_local_experts=4,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for extra in ("generation_config.json",):  # not read by the import: kept out of the fixture
+        if os.path.exists(os.path.join(out, extra)):
+            os.remove(os.path.join(out, extra))
+    golden = {"transformers": transformers.__version__, "torch": torch.__version__, "sequences": []}
+    for seq in SEQS:
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            res = model(ids, labels=ids, use_cache=False)
+        logits = res.logits[0]
+        golden["sequences"].append({"tokens": seq, "loss": float(res.loss),
+                                    "logits": [float(x) for x in logits.reshape(-1)]})
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump(golden, f, separators=(",", ":"))
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
