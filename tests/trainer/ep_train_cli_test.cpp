@@ -33,6 +33,7 @@ class EpTrainCli : public testing::RanksTest {
            testing::SmallVocabFlags() +
            " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --clip-grad 1.0 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
+           " --log-num-zeros-in-grad --log-params-norm"
            " --threads 1 --data-path " +
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) +
@@ -65,21 +66,21 @@ class EpTrainCli : public testing::RanksTest {
     return p;
   }
   // `world` ranks of `flags` against `ref` (the output of the same run with every expert on each rank, saved in
-  // DIR/ref): each log line's lm loss, grad norm and load_balancing_loss within 1e-5 relative (the same sums in
-  // another order: the experts' weight gradients summed over the expert group's tokens at once, the grad norm's
-  // squares over two groups), the final weights within 1e-5.
+  // DIR/ref): each log line's lm loss, grad norm, load_balancing_loss, zero count and params norm within 1e-5
+  // relative (the same sums in another order: the experts' weight gradients summed over the expert group's
+  // tokens at once, the norms' squares over two groups), the final weights within 1e-5.
   void ExpectSameTraining(int world, const std::string& flags, const std::string& ref, const std::string& save,
                           const std::string& what) {
     auto r = Ranks(world, Train(flags + " --save " + ShellQuote(dir_ / save)));
     ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
     double worst = 0;
-    for (const char* field : {"lm loss", "grad norm", "load_balancing_loss"}) {
+    for (const char* field : {"lm loss", "grad norm", "load_balancing_loss", "num zeros", "params norm"}) {
       const auto want = Field(ref, field), got = Field(r.output, field);
       ASSERT_EQ(want.size(), 6u) << field << "\n" << ref;
       ASSERT_EQ(got.size(), want.size()) << what << " " << field << "\n" << r.output;
       for (size_t i = 0; i < got.size(); ++i) {
         EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << what << " " << field << " line " << i;
-        worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+        worst = std::max(worst, std::abs(got[i] - want[i]) / std::max(1.0, std::abs(want[i])));
       }
     }
     const std::vector<float> a = Weights(dir_ / "ref", 6), b = Weights(dir_ / save, 6);
@@ -94,6 +95,7 @@ class EpTrainCli : public testing::RanksTest {
 
 TEST_F(EpTrainCli, ExpertRanksTrainAsDataRanksWithEveryExpertDo) {
   auto ref = Ranks(2, Train("--save " + ShellQuote(dir_ / "ref")));
+  // --log-num-zeros-in-grad and --log-params-norm count each expert once too (ExpectSameTraining's fields).
   ASSERT_NE(ref.output.find(AllZero(2)), std::string::npos) << ref.output << Logs(2);
   ASSERT_NO_FATAL_FAILURE(ExpectSameTraining(2, "--expert-model-parallel-size 2", ref.output, "ep2", "D = 2 x E = 2"));
   // Megatron's layout: one file per expert rank, each holding its two experts as local_experts.0 and .1.
