@@ -43,7 +43,9 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "fp32: accepted (the CPU backend's router is fp32 already); fp64 is refused");
   app->add_flag("--moe-grouped-gemm", m.grouped_gemm, "Accepted: the experts run one after another (same math)");
   app->add_flag("--moe-permute-fusion", m.permute_fusion, "Accepted: kernel fusion flag (same math)");
-  app->add_option("--expert-model-parallel-size", m.expert_parallel, "Expert-parallel ranks: 1 (more is refused)")
+  app->add_option("--expert-model-parallel-size", m.expert_parallel,
+                  "Expert-parallel ranks: each holds --num-experts / N experts of every MoE layer (CPU; N divides the "
+                  "data ranks)")
       ->check(IntIn(1, kMaxSize));
 }
 
@@ -183,6 +185,32 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
   return absl::OkStatus();
 }
 
+namespace {
+// --expert-model-parallel-size N above 1: what ptk's expert parallelism covers (the CPU model's MoE layers over
+// plain data ranks), every other combination refused naming both flags.
+absl::Status RefuseExpertParallel(const TrainFlags& f) {
+  const int64_t ep = f.moe.expert_parallel;
+  if (ep == 1) return absl::OkStatus();
+  const std::string flag = fmt::format("--expert-model-parallel-size {}", ep);
+  if (f.moe.num_experts % ep != 0)
+    return UsageError(fmt::format("--num-experts {} is not divisible by {}: each expert rank holds as many experts",
+                                  f.moe.num_experts, flag));
+  auto refuse = [&](const std::string& other) {
+    return UsageError(
+        fmt::format("{} with {}: expert parallelism is implemented over plain data ranks only", flag, other));
+  };
+  if (f.tensor_model_parallel_size > 1)
+    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
+  if (f.pipeline_model_parallel_size > 1)
+    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
+  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+  if (f.options.use_distributed_optimizer) return refuse("--use-distributed-optimizer");
+  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce");
+  if (f.options.sample.interval > 0) return refuse("--sample-interval");
+  return absl::OkStatus();
+}
+}  // namespace
+
 absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   if (f.moe.num_experts == 0) {
     if (f.moe.expert_parallel > 1)
@@ -192,11 +220,11 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
   auto refuse = [&](const std::string& what) {
     return UsageError(fmt::format(
-        "{} with {}: ptk's mixture-of-experts layers run with data, pipeline and context parallelism only for now "
-        "(tensor and expert parallelism are the next slice)",
+        "{} with {}: ptk's mixture-of-experts layers run with data, expert, pipeline and context parallelism only "
+        "for now (tensor parallelism is the next slice)",
         moe, what));
   };
-  if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
+  PTK_RETURN_IF_ERROR(RefuseExpertParallel(f));
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
   const TrainFlags::Moe& m = f.moe;
@@ -213,6 +241,10 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
 
 absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
   if (f.moe.num_experts == 0 || device == Device::kCpu) return absl::OkStatus();
+  if (f.moe.expert_parallel > 1)
+    return UsageError(fmt::format(
+        "--expert-model-parallel-size {} with --device cuda: expert parallelism runs on the CPU backend only",
+        f.moe.expert_parallel));
   return UsageError(fmt::format(
       "--num-experts {} on --device cuda: the CUDA backend has no mixture-of-experts layers yet; train on the CPU "
       "(--device cpu)",

@@ -51,6 +51,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   d.tensor = static_cast<int>(flags.tensor_model_parallel_size);
   d.pipeline = static_cast<int>(flags.pipeline_model_parallel_size);
   d.context = static_cast<int>(flags.context_parallel_size);
+  d.expert = static_cast<int>(flags.moe.expert_parallel);
   d.first_stage_layers = flags.decoder_first_pipeline_num_layers;
   d.last_stage_layers = flags.decoder_last_pipeline_num_layers;
   d.virtual_size = virtual_size;

@@ -151,14 +151,16 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
   // (WORLD_SIZE = T x C x data ranks x P).
   const int pp = std::max<int>(1, static_cast<int>(options->pipeline_stage_layers.size()));
   const int tp = options->tensor_model_parallel_size, cp = options->context_parallel_size;
-  auto made = ptk::ParallelLayout::Create(ranks.world_size, tp, pp, cp);
+  auto made = ptk::ParallelLayout::Create(ranks.world_size, tp, pp, cp, options->expert_model_parallel_size);
   if (!made.ok()) {  // named by the flag and the launch, which the library does not know
     std::string flag = fmt::format("--tensor-model-parallel-size {}", tp);
     if (pp > 1) flag += fmt::format(" x --pipeline-model-parallel-size {}", pp);
     if (cp > 1) flag += fmt::format(" x --context-parallel-size {}", cp);
-    return ptk::UsageError(
-        fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()), tp * pp * cp,
-                    ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+    const int ep = options->expert_model_parallel_size;
+    if (ep > 1) flag += fmt::format(" x --expert-model-parallel-size {}", ep);
+    return ptk::UsageError(fmt::format(
+        "{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()), tp * pp * cp * ep,
+        ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
   }
   *layout = *std::move(made);
   // The settings' usage errors (exit 2) before the files' errors.
@@ -209,10 +211,10 @@ void ExitOnPeerFailure(const absl::Status& st) {
 // --pipeline-model-parallel-size or --context-parallel-size would make other groups (each waiting
 // for the others until the timeout, "did not join"); they are refused in one line naming the flag.
 struct Groups {
-  std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding, context;
+  std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding, context, expert, expert_data;
   ptk::Communicator* DataOrWorld() const { return data ? data.get() : world.get(); }
   void Close() {  // the groups before the world they were made from
-    for (auto* c : {&context, &embedding, &pipeline, &data, &tensor, &world}) c->reset();
+    for (auto* c : {&expert_data, &expert, &context, &embedding, &pipeline, &data, &tensor, &world}) c->reset();
   }
 };
 // Made into *g, so that a failure after the world's communicator was made can still be reported over it.
@@ -239,6 +241,11 @@ absl::Status MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLay
   }
   if (cp > 1) {
     PTK_ASSIGN_OR_RETURN(g.context, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kContext, rank), "context"));
+  }
+  if (layout.expert_size() > 1) {  // Megatron's expert-parallel group, then its expert-data-parallel one
+    PTK_ASSIGN_OR_RETURN(g.expert, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kExpert, rank), "expert"));
+    PTK_ASSIGN_OR_RETURN(g.expert_data,
+                         g.world->Subgroup(layout.Group(ptk::ParallelGroup::kExpertData, rank), "expert-data"));
   }
   return absl::OkStatus();
 }
@@ -347,6 +354,8 @@ absl::Status TrainRanks(const ptk::TrainFlags& flags, const ptk::TrainingRanks& 
   options->backend.tensor_comm = groups.tensor.get();
   options->context_comm = options->backend.context_comm = groups.context.get();
   options->pipeline_comm = groups.pipeline.get();
+  options->backend.expert_comm = groups.expert.get();
+  options->backend.expert_data_comm = groups.expert_data.get();
   options->embedding_comm = groups.embedding.get();
   // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
   options->backend.device_index = ranks.local_rank;

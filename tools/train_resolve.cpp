@@ -499,6 +499,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
   PTK_RETURN_IF_ERROR(ResolveContextParallel(f, &o));
+  o.expert_model_parallel_size = static_cast<int>(f.moe.expert_parallel);
   if (const auto& n = f.microbatch_group_size_per_vp_stage; n && virtual_size > 1)
     o.pipeline_microbatch_group_size = static_cast<int>(*n);
   else if (n)  // Megatron's 1F1B schedule does not read it either

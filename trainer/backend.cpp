@@ -123,7 +123,9 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(
         std::unique_ptr<CpuGPTModel> m,
-        CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage));
+        CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage,
+                            backend.expert_comm && backend.expert_comm->size() > 1 ? backend.expert_comm : nullptr,
+                            backend.expert_data_comm));
     if (backend.context_comm && backend.context_comm->size() > 1)
       PTK_RETURN_IF_ERROR(m->SetContextParallel(backend.context_comm));
     return std::unique_ptr<GPTModel>(std::move(m));

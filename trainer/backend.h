@@ -28,6 +28,10 @@ struct BackendOptions {
   // attention over the whole sequence from this rank's positions. The CUDA backend's needs NCCL
   // (device collectives; it refuses gloo) and runs its attention in fp32 in every precision.
   Communicator* context_comm = nullptr;
+  // The expert-parallel and expert-data-parallel groups (--expert-model-parallel-size; null or one rank: none):
+  // the CPU model holds this expert rank's experts and dispatches its MoE layers' tokens over expert_comm.
+  Communicator* expert_comm = nullptr;
+  Communicator* expert_data_comm = nullptr;
   // --pipeline-model-parallel-size: this rank's stage (the whole model by default): the model
   // built is the stage's part (either backend).
   PipelineStage pipeline_stage;

@@ -75,12 +75,15 @@ absl::Status CheckpointStep(std::string_view name) { return Step(name); }
 std::string CheckpointDir(const std::string& save, int64_t iteration) {
   return JoinPath(save, fmt::format("iter_{:07d}", iteration));
 }
-std::string MpRankDir(int tensor_rank, int pipeline_rank, int pipeline_size) {
-  return pipeline_size > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tensor_rank, pipeline_rank)
-                           : fmt::format("mp_rank_{:02d}", tensor_rank);
+std::string MpRankDir(int tensor_rank, int pipeline_rank, int pipeline_size, int expert_rank, int expert_size) {
+  std::string dir = pipeline_size > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tensor_rank, pipeline_rank)
+                                      : fmt::format("mp_rank_{:02d}", tensor_rank);
+  if (expert_size > 1) dir += fmt::format("_{:03d}", expert_rank);  // Megatron's get_checkpoint_name
+  return dir;
 }
-std::string MpRankFile(int tensor_rank, int pipeline_rank, int pipeline_size) {
-  return JoinPath(MpRankDir(tensor_rank, pipeline_rank, pipeline_size), "model_optim_rng.ptk");
+std::string MpRankFile(int tensor_rank, int pipeline_rank, int pipeline_size, int expert_rank, int expert_size) {
+  return JoinPath(MpRankDir(tensor_rank, pipeline_rank, pipeline_size, expert_rank, expert_size),
+                  "model_optim_rng.ptk");
 }
 std::string FirstRankFile(const std::string& dir) {
   const std::string one_stage = JoinPath(dir, MpRankFile(0));
@@ -288,20 +291,22 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
   if (shards.empty()) return absl::InternalError("SaveCheckpoint: no arrays");
   PTK_RETURN_IF_ERROR(CheckReplaceable(final_dir));
   const int tensor_size = shards[0].layout->tensor_size, pipeline_size = shards[0].layout->pipeline_size;
-  if (static_cast<int64_t>(shards.size()) != int64_t{tensor_size} * pipeline_size)
-    return absl::InternalError("SaveCheckpoint: not one shard per tensor and pipeline rank");
+  const int expert_size = shards[0].layout->expert_size;
+  if (static_cast<int64_t>(shards.size()) != int64_t{tensor_size} * pipeline_size * expert_size)
+    return absl::InternalError("SaveCheckpoint: not one shard per tensor, expert and pipeline rank");
   std::vector<std::string> rank_dirs;
   std::vector<int64_t> stage_layers;
   for (size_t i = 0; i < shards.size(); ++i) {
     const CheckpointShard& sh = shards[i];
     const size_t n = static_cast<size_t>(sh.layout->num_params);
-    const int t = static_cast<int>(i) % tensor_size, p = static_cast<int>(i) / tensor_size;
-    if (sh.layout->tensor_size != tensor_size || sh.layout->tensor_rank != t ||
-        sh.layout->pipeline_size != pipeline_size || sh.layout->pipeline_rank != p || sh.params.size() != n ||
-        sh.exp_avg.size() != n || sh.exp_avg_sq.size() != n)
+    const int t = static_cast<int>(i) % tensor_size, e = static_cast<int>(i) / tensor_size % expert_size,
+              p = static_cast<int>(i) / (tensor_size * expert_size);
+    if (sh.layout->tensor_size != tensor_size || sh.layout->tensor_rank != t || sh.layout->expert_size != expert_size ||
+        sh.layout->expert_rank != e || sh.layout->pipeline_size != pipeline_size || sh.layout->pipeline_rank != p ||
+        sh.params.size() != n || sh.exp_avg.size() != n || sh.exp_avg_sq.size() != n)
       return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layouts");
-    rank_dirs.push_back(MpRankDir(t, p, pipeline_size));
-    if (t == 0) stage_layers.push_back(static_cast<int64_t>(sh.layout->layers.size()));
+    rank_dirs.push_back(MpRankDir(t, p, pipeline_size, e, expert_size));
+    if (t == 0 && e == 0) stage_layers.push_back(static_cast<int64_t>(sh.layout->layers.size()));
   }
   if (progress != nullptr) {
     uint64_t bytes = 0;
@@ -356,6 +361,8 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
         .Field("tensor_rank", static_cast<int64_t>(layout.tensor_rank))
         .Field("pipeline_model_parallel_size", static_cast<int64_t>(layout.pipeline_size))
         .Field("pipeline_rank", static_cast<int64_t>(layout.pipeline_rank))
+        .Field("expert_model_parallel_size", static_cast<int64_t>(layout.expert_size))
+        .Field("expert_rank", static_cast<int64_t>(layout.expert_rank))
         .Field("virtual_pipeline_model_parallel_size", static_cast<int64_t>(layout.virtual_size))
         .Key("pipeline_stage_layers")
         .BeginArray();
@@ -381,8 +388,8 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     PTK_RETURN_IF_ERROR(Step("create temporary directory"));
     PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
     for (const CheckpointShard& sh : shards) {
-      const std::string file =
-          JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank, sh.layout->pipeline_rank, pipeline_size));
+      const std::string file = JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank, sh.layout->pipeline_rank,
+                                                            pipeline_size, sh.layout->expert_rank, expert_size));
       PTK_RETURN_IF_ERROR(MakeDirs(Dirname(file)));
       PTK_RETURN_IF_ERROR(
           WriteCheckpointFile(file, header(*sh.layout), {sh.params, sh.exp_avg, sh.exp_avg_sq}, progress));
@@ -513,16 +520,13 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
       saved.pipeline_size() == layout.pipeline_size && saved.virtual_size == layout.virtual_size &&
       StageOf(saved.stage_layers, layout.pipeline_rank).first_layer == layout.first_layer &&
       saved.stage_layers[static_cast<size_t>(layout.pipeline_rank)] == static_cast<int64_t>(layout.layers.size());
-  const bool resharded = saved.tensor_size != layout.tensor_size || !same_stage;
-  const std::string own = JoinPath(dir, MpRankFile(layout.tensor_rank, layout.pipeline_rank, layout.pipeline_size));
+  const bool resharded =
+      saved.tensor_size != layout.tensor_size || saved.expert_size != layout.expert_size || !same_stage;
+  const std::string own = JoinPath(dir, MpRankFile(layout.tensor_rank, layout.pipeline_rank, layout.pipeline_size,
+                                                   layout.expert_rank, layout.expert_size));
   if (progress != nullptr) {  // the files about to be read: this rank's, or every saved rank's
     std::vector<std::string> files = {own};
-    if (resharded) {
-      files.clear();
-      for (int p = 0; p < saved.pipeline_size(); ++p)
-        for (int t = 0; t < saved.tensor_size; ++t)
-          files.push_back(JoinPath(dir, MpRankFile(t, p, saved.pipeline_size())));
-    }
+    if (resharded) files = SavedRankFiles(dir, saved);
     uint64_t bytes = 0;
     for (const std::string& f : files) bytes += FileSize(f).value_or(0);  // a missing file: its load says so
     progress->SetTotals(files.size(), bytes);

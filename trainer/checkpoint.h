@@ -62,7 +62,9 @@ std::string CheckpointDir(const std::string& save, int64_t iteration);  // <save
 // stage); for tensor rank 0, mp_rank_00_000's where a pipelined checkpoint is there instead.
 std::string CheckpointFile(const std::string& save, int64_t iteration, int tensor_rank = 0);
 // mp_rank_TT/model_optim_rng.ptk, or with several pipeline stages mp_rank_TT_PPP/... (Megatron's).
-std::string MpRankFile(int tensor_rank, int pipeline_rank = 0, int pipeline_size = 1);
+// With expert parallelism (expert_size above 1) Megatron's _EEE after them: mp_rank_TT[_PPP]_EEE.
+std::string MpRankFile(int tensor_rank, int pipeline_rank = 0, int pipeline_size = 1, int expert_rank = 0,
+                       int expert_size = 1);
 // The first rank's file in an iteration directory: mp_rank_00's, or mp_rank_00_000's when only it is there.
 std::string FirstRankFile(const std::string& dir);
 
@@ -74,7 +76,8 @@ absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, 
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json, ProgressReporter* progress = nullptr);
 
-// Every model-parallel rank's part at once (shards[p * T + t]: tensor rank t of pipeline stage p,
+// Every model-parallel rank's part at once (shards[(p * E + e) * T + t]: tensor rank t of expert rank e of
+// pipeline stage p,
 // its layout and arrays; one shard at T = P = 1): each in its mp_rank_TT (mp_rank_TT_PPP with
 // several stages), all in the one directory the save renames into place.
 struct CheckpointShard {
@@ -131,11 +134,15 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_
 // (one stage of all layers for a ptk before pipeline parallelism).
 struct SavedParallelism {
   int tensor_size = 1;
+  int expert_size = 1;   // --expert-model-parallel-size (1 for a ptk before expert parallelism)
   int virtual_size = 1;  // model chunks of each stage (Megatron's virtual pipeline size)
   std::vector<int64_t> stage_layers;
   int pipeline_size() const { return static_cast<int>(stage_layers.size()); }
 };
 absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file);
+// Every saved rank's file in iteration directory `dir`, stage by stage, expert rank by expert rank, tensor rank
+// by tensor rank.
+std::vector<std::string> SavedRankFiles(const std::string& dir, const SavedParallelism& saved);
 // Every rank's file of the checkpoint in iteration directory `dir` (the tensor ranks and stages its
 // first file's header names) there and complete (VerifyCheckpointFile). (checkpoint_reshard.cpp)
 absl::Status VerifyCheckpointDir(const std::string& dir);

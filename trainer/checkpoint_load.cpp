@@ -270,6 +270,8 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
                                "tensor rank", "tensor rank"));
   PTK_RETURN_IF_ERROR(saved_by("pipeline_model_parallel_size", "pipeline_rank", layout.pipeline_size,
                                layout.pipeline_rank, "pipeline stage", "stage"));
+  PTK_RETURN_IF_ERROR(saved_by("expert_model_parallel_size", "expert_rank", layout.expert_size, layout.expert_rank,
+                               "expert rank", "expert rank"));
   simdjson::dom::parser mine_parser;
   simdjson::dom::element mine;
   if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");

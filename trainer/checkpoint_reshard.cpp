@@ -21,6 +21,10 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
   if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
   saved.tensor_size = static_cast<int>(t);
+  int64_t e = 1;
+  if (h["expert_model_parallel_size"].get(e)) e = 1;  // ptk before expert parallelism
+  if (e < 1 || e > (1 << 20)) return absl::DataLossError(fmt::format("{}: expert size {} in the header", file, e));
+  saved.expert_size = static_cast<int>(e);
   int64_t v = 1;
   if (h["virtual_pipeline_model_parallel_size"].get(v)) v = 1;  // ptk before the interleaved schedule
   if (v < 1 || v > (1 << 20))
@@ -43,14 +47,20 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   return saved;
 }
 
+std::vector<std::string> SavedRankFiles(const std::string& dir, const SavedParallelism& saved) {
+  std::vector<std::string> files;
+  const int P = saved.pipeline_size(), E = saved.expert_size;
+  for (int p = 0; p < P; ++p)
+    for (int e = 0; e < E; ++e)
+      for (int t = 0; t < saved.tensor_size; ++t) files.push_back(JoinPath(dir, MpRankFile(t, p, P, e, E)));
+  return files;
+}
+
 absl::Status VerifyCheckpointDir(const std::string& dir) {
   const std::string first = FirstRankFile(dir);
   PTK_RETURN_IF_ERROR(VerifyCheckpointFile(first));
   PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(first));
-  const int P = saved.pipeline_size();
-  for (int p = 0; p < P; ++p)
-    for (int t = 0; t < saved.tensor_size; ++t)
-      PTK_RETURN_IF_ERROR(VerifyCheckpointFile(JoinPath(dir, MpRankFile(t, p, P))));
+  for (const std::string& file : SavedRankFiles(dir, saved)) PTK_RETURN_IF_ERROR(VerifyCheckpointFile(file));
   return absl::OkStatus();
 }
 
@@ -79,21 +89,23 @@ absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved
   if (!whole.ok()) return whole.status();
   const size_t n = static_cast<size_t>(whole->num_params);
   std::vector<float> p(n), m(n), v(n), sp, sm, sv;
-  const int P = saved.pipeline_size();
+  const int P = saved.pipeline_size(), E = saved.expert_size;
   for (int stage = 0; stage < P; ++stage) {
-    for (int t = 0; t < saved.tensor_size; ++t) {
-      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t,
-                                              StageOf(saved.stage_layers, stage, saved.virtual_size));
-      if (!saved_layout.ok())
-        return absl::FailedPreconditionError(
-            fmt::format("{}: saved at tensor size {} and {} pipeline stage(s), which this model cannot have been split "
-                        "into: {}",
-                        dir, saved.tensor_size, P, StatusMessage(saved_layout.status())));
-      PTK_RETURN_IF_ERROR(LoadCheckpointFile(JoinPath(dir, MpRankFile(t, stage, P)), iteration, *saved_layout, &sp, &sm,
-                                             &sv, state, progress));
-      CopyFromShard(*saved_layout, sp, p);
-      CopyFromShard(*saved_layout, sm, m);
-      CopyFromShard(*saved_layout, sv, v);
+    for (int e = 0; e < E; ++e) {
+      for (int t = 0; t < saved.tensor_size; ++t) {
+        auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t,
+                                                StageOf(saved.stage_layers, stage, saved.virtual_size), E, e);
+        if (!saved_layout.ok())
+          return absl::FailedPreconditionError(fmt::format(
+              "{}: saved at tensor size {}, expert size {} and {} pipeline stage(s), which this model cannot have "
+              "been split into: {}",
+              dir, saved.tensor_size, E, P, StatusMessage(saved_layout.status())));
+        PTK_RETURN_IF_ERROR(LoadCheckpointFile(JoinPath(dir, MpRankFile(t, stage, P, e, E)), iteration, *saved_layout,
+                                               &sp, &sm, &sv, state, progress));
+        CopyFromShard(*saved_layout, sp, p);
+        CopyFromShard(*saved_layout, sm, m);
+        CopyFromShard(*saved_layout, sv, v);
+      }
     }
   }
   const size_t mine = static_cast<size_t>(layout.num_params);

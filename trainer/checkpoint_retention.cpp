@@ -45,10 +45,7 @@ absl::Status CheckpointDirWhole(const std::string& dir, bool checksums) {
   const std::string first = FirstRankFile(dir);
   PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(first));
   PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(first));
-  const int P = saved.pipeline_size();
-  for (int p = 0; p < P; ++p)
-    for (int t = 0; t < saved.tensor_size; ++t)
-      PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(JoinPath(dir, MpRankFile(t, p, P))));
+  for (const std::string& file : SavedRankFiles(dir, saved)) PTK_RETURN_IF_ERROR(CheckCheckpointFileLength(file));
   return absl::OkStatus();
 }
 

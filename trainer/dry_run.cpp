@@ -133,7 +133,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     return UsageError(fmt::format("{}={}: --dry-run plans up to {} ranks", o.cluster.world_source, o.cluster.world_size,
                                   kMaxDryRunWorld));
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
-                       ParallelLayout::Create(o.cluster.world_size, o.tensor, o.pipeline, o.context));
+                       ParallelLayout::Create(o.cluster.world_size, o.tensor, o.pipeline, o.context, o.expert));
   const int T = o.tensor, P = o.pipeline, D = layout.data_size(), C = layout.context_size();
   DryRunPlan plan;
   plan.data_parallel = D;
@@ -257,6 +257,10 @@ std::string LayoutLines(const ParallelLayout& layout, int world) {
     out += GroupsLine(layout, ParallelGroup::kContext, "context");
     out += GroupsLine(layout, ParallelGroup::kDataContext, "data x context (gradients, ZeRO-1)");
   }
+  if (layout.expert_size() > 1) {
+    out += GroupsLine(layout, ParallelGroup::kExpert, "expert");
+    out += GroupsLine(layout, ParallelGroup::kExpertData, "expert-data (the experts' gradients)");
+  }
   out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
   out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
   out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
@@ -267,7 +271,7 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   PTK_ASSIGN_OR_RETURN(const DryRunPlan plan, PlanDryRun(o));
   const DryRunCluster& cl = o.cluster;
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
-                       ParallelLayout::Create(cl.world_size, o.tensor, o.pipeline, o.context));
+                       ParallelLayout::Create(cl.world_size, o.tensor, o.pipeline, o.context, o.expert));
   const int T = o.tensor, P = o.pipeline, D = plan.data_parallel, C = plan.context_parallel;
   const GPTConfig& m = plan.model;
   std::string out;

@@ -87,6 +87,11 @@ class GPTModel {
   // tensor rank's partial sums (its positions'), left for TrainStep to sum over the group after
   // the data-parallel reduction, as Megatron's finalize_model_grads does.
   bool sequence_parallel() const { return sequence_parallel_; }
+  // Expert parallelism (--expert-model-parallel-size): the expert group the MoE layers dispatch over and
+  // the expert-data group their experts' gradients are reduced over (null: none; the layout holds this
+  // expert rank's experts).
+  Communicator* expert_comm() const { return expert_comm_; }
+  Communicator* expert_data_comm() const { return expert_data_comm_; }
 
   virtual Device device() const = 0;
   virtual Precision precision() const = 0;
@@ -311,6 +316,8 @@ class GPTModel {
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
   Communicator* tensor_comm_ = nullptr;
+  Communicator* expert_comm_ = nullptr;
+  Communicator* expert_data_comm_ = nullptr;
   bool sequence_parallel_ = false;  // with a tensor group of more than one rank
 
  private:

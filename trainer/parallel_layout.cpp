@@ -19,6 +19,8 @@ std::string_view ParallelGroupName(ParallelGroup kind) {
     case ParallelGroup::kModel: return "model";
     case ParallelGroup::kContext: return "context";
     case ParallelGroup::kDataContext: return "data-context";
+    case ParallelGroup::kExpert: return "expert";
+    case ParallelGroup::kExpertData: return "expert-data";
   }
   return "?";
 }
@@ -30,8 +32,12 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
   if (pipeline < 1)
     return UsageError(fmt::format("--pipeline-model-parallel-size must be at least 1, not {}", pipeline));
   if (context < 1) return UsageError(fmt::format("--context-parallel-size must be at least 1, not {}", context));
-  if (expert != 1)
-    return UsageError(fmt::format("--expert-model-parallel-size {}: ptk supports expert parallel size 1 only", expert));
+  if (expert < 1) return UsageError(fmt::format("--expert-model-parallel-size must be at least 1, not {}", expert));
+  if (expert > 1 && (tensor > 1 || context > 1))
+    return UsageError(fmt::format(
+        "--expert-model-parallel-size {} with --{}-parallel-size {}: expert parallelism is implemented at tensor and "
+        "context size 1",
+        expert, tensor > 1 ? "tensor-model" : "context", tensor > 1 ? tensor : context));
   const int64_t model = static_cast<int64_t>(tensor) * pipeline;
   if (world_size % model != 0)
     return UsageError(
@@ -42,7 +48,13 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
         "the world size {} is not divisible by tensor × pipeline model parallel × context parallel size {} × {} × {} "
         "= {}",
         world_size, tensor, pipeline, context, model * context));
-  return ParallelLayout(world_size, tensor, static_cast<int>(world_size / (model * context)), pipeline, context);
+  const int data = static_cast<int>(world_size / (model * context));
+  if (data % expert != 0)
+    return UsageError(fmt::format(
+        "--expert-model-parallel-size {}: the data-parallel size {} (world size {} / pipeline size {}) is not "
+        "divisible by it",
+        expert, data, world_size, pipeline));
+  return ParallelLayout(world_size, tensor, data, pipeline, context, expert);
 }
 
 RankCoords ParallelLayout::Coords(int rank) const {
@@ -70,6 +82,8 @@ int64_t ParallelLayout::NumGroups(ParallelGroup kind) const {
     case ParallelGroup::kModel: return static_cast<int64_t>(data_) * context_;
     case ParallelGroup::kContext: return world_ / context_;
     case ParallelGroup::kDataContext: return world_ / (data_ * context_);
+    case ParallelGroup::kExpert: return world_ / expert_;
+    case ParallelGroup::kExpertData: return static_cast<int64_t>(expert_) * tensor_ * context_ * pipeline_;
   }
   return 0;
 }
@@ -113,6 +127,18 @@ std::vector<int> ParallelLayout::GroupAt(ParallelGroup kind, int64_t index) cons
       for (int p = 0; p < pipeline_; ++p)
         for (int t = 0; t < T; ++t) g.push_back(rank(t, i % C, i / C, p));
       break;
+    // The expert generator's (tp-ep-dp-pp, T = C = 1 when expert_ > 1): data rank d is expert rank d % E of
+    // expert-data rank d / E.
+    case ParallelGroup::kExpert: {  // index = t + T·c + T·C·(d / E) + T·C·(D / E)·p
+      const int q = i / (T * C), groups = D / expert_;
+      for (int e = 0; e < expert_; ++e) g.push_back(rank(i % T, i / T % C, q % groups * expert_ + e, q / groups));
+      break;
+    }
+    case ParallelGroup::kExpertData: {  // index = t + T·c + T·C·(d % E) + T·C·E·p
+      const int q = i / (T * C);
+      for (int k = 0; k < D / expert_; ++k) g.push_back(rank(i % T, i / T % C, k * expert_ + q % expert_, q / expert_));
+      break;
+    }
   }
   return g;
 }
@@ -130,6 +156,10 @@ std::vector<int> ParallelLayout::Group(ParallelGroup kind, int rank) const {
       if (c.pipeline != 0 && c.pipeline != pipeline_ - 1) return {};
       return GroupAt(kind, c.tensor + T * (c.context + C * c.data));
     case ParallelGroup::kModel: return GroupAt(kind, c.context + C * c.data);
+    case ParallelGroup::kExpert:
+      return GroupAt(kind, c.tensor + T * (c.context + C * (c.data / expert_ + D / expert_ * c.pipeline)));
+    case ParallelGroup::kExpertData:
+      return GroupAt(kind, c.tensor + T * (c.context + C * (c.data % expert_ + expert_ * c.pipeline)));
   }
   return {};
 }

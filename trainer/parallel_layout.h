@@ -17,7 +17,20 @@ namespace ptk {
 // kContext: the context ranks of one (tensor, data, pipeline) place (Megatron's "cp");
 // kDataContext: data × context (Megatron's "dp-cp", the group its gradients are reduced and its
 // distributed optimizer sharded over when the context size is above 1).
-enum class ParallelGroup { kTensor, kData, kPipeline, kEmbedding, kModel, kContext, kDataContext };
+// kExpert: the expert-parallel ranks (Megatron's "ep" of its expert rank generator, tp-ep-dp-pp with cp 1: E
+// consecutive data ranks of a stage at tensor and context size 1), kExpertData: the ranks holding the same
+// experts (its expert "dp", data / E of them), over which the experts' gradients are reduced.
+enum class ParallelGroup {
+  kTensor,
+  kData,
+  kPipeline,
+  kEmbedding,
+  kModel,
+  kContext,
+  kDataContext,
+  kExpert,
+  kExpertData
+};
 std::string_view ParallelGroupName(ParallelGroup kind);  // "tensor", "data", "pipeline", ...
 
 struct RankCoords {
@@ -27,8 +40,9 @@ struct RankCoords {
 
 class ParallelLayout {
  public:
-  // world = tensor × context × data × pipeline (× expert, which ptk supports only at 1). Errors are
-  // usage errors naming the sizes (Megatron's refusals: world not divisible by T·C·P, ...).
+  // world = tensor × context × data × pipeline; `expert` ranks are carved from the data ranks (it must divide
+  // them; above 1 only at tensor and context size 1). Errors are usage errors naming the sizes (Megatron's
+  // refusals: world not divisible by T·C·P, ...).
   static absl::StatusOr<ParallelLayout> Create(int world_size, int tensor, int pipeline, int context = 1,
                                                int expert = 1);
 
@@ -37,6 +51,7 @@ class ParallelLayout {
   int data_size() const { return data_; }
   int pipeline_size() const { return pipeline_; }
   int context_size() const { return context_; }
+  int expert_size() const { return expert_; }
 
   // global rank = t + T·c + T·C·d + T·C·D·p (Megatron's generate_masked_orthogonal_rank_groups, ep = 1).
   RankCoords Coords(int rank) const;
@@ -54,9 +69,9 @@ class ParallelLayout {
   std::vector<int> GroupAt(ParallelGroup kind, int64_t index) const;
 
  private:
-  ParallelLayout(int world, int tensor, int data, int pipeline, int context)
-      : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline), context_(context) {}
-  int world_, tensor_, data_, pipeline_, context_;
+  ParallelLayout(int world, int tensor, int data, int pipeline, int context, int expert)
+      : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline), context_(context), expert_(expert) {}
+  int world_, tensor_, data_, pipeline_, context_, expert_;
 };
 
 // Megatron's load-balanced split of a sequence over `context` ranks (get_batch_on_this_cp_rank):

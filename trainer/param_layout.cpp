@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <regex>
 
 #include <fmt/core.h>
 
@@ -212,10 +213,59 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
   s.num_params = offset;
   return s;
 }
+
+// Expert rank `rank` of `size`'s part of `in`: its experts, renumbered from 0, every other tensor kept, offsets
+// packed again; whole_index keeps each tensor's place in the whole model (its init, the checkpoints' reshard).
+absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank) {
+  const int64_t E = in.config.num_experts;
+  if (size < 1 || rank < 0 || rank >= size)
+    return absl::InvalidArgumentError(fmt::format("expert rank {} of {}: not a valid rank", rank, size));
+  if (E < 1 || E % size != 0)
+    return UsageError(fmt::format("--num-experts {} is not divisible by --expert-model-parallel-size {}", E, size));
+  const int64_t L = E / size, first = L * rank;
+  ParamLayout s = in;
+  s.expert_size = size;
+  s.expert_rank = rank;
+  s.infos.clear();
+  s.whole_index.clear();
+  std::vector<int64_t> moved(static_cast<size_t>(in.num_params + 1), -1);  // old offset -> new
+  int64_t offset = 0;
+  const std::regex local(R"(^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$)");
+  for (size_t k = 0; k < in.infos.size(); ++k) {
+    ParamInfo p = in.infos[k];
+    if (p.expert) {
+      std::smatch m;
+      if (!std::regex_match(p.name, m, local)) return absl::InternalError("CutExperts: " + p.name);
+      const int64_t j = std::stoll(m[2].str());
+      if (j < first || j >= first + L) continue;
+      p.name = fmt::format("{}{}{}", m[1].str(), j - first, m[3].str());
+    }
+    moved[static_cast<size_t>(p.offset)] = offset;
+    p.offset = offset;
+    offset += p.size;
+    s.infos.push_back(std::move(p));
+    s.whole_index.push_back(in.WholeInfoIndex(k));
+  }
+  auto move = [&](int64_t at) { return at < 0 ? -1 : moved[static_cast<size_t>(at)]; };
+  for (LayerParams& lp : s.layers) {
+    for (int64_t* f :
+         {&lp.ln1_w, &lp.ln1_b, &lp.qkv_w, &lp.qkv_b, &lp.proj_w, &lp.proj_b, &lp.ln2_w, &lp.ln2_b, &lp.fc1_w,
+          &lp.fc1_b, &lp.fc2_w, &lp.fc2_b, &lp.q_norm_w, &lp.q_norm_b, &lp.k_norm_w, &lp.k_norm_b, &lp.router_w})
+      *f = move(*f);
+    if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats());
+  }
+  for (int64_t* f : {&s.wte, &s.wpe, &s.lnf_w, &s.lnf_b, &s.out_w}) *f = move(*f);
+  s.num_params = offset;
+  return s;
+}
 }  // namespace
 
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
-                                                const PipelineStage& stage) {
+                                                const PipelineStage& stage, int expert_size, int expert_rank) {
+  if (expert_size != 1 || expert_rank != 0) {
+    PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
+    return CutExperts(all, expert_size, expert_rank);
+  }
   if (stage.size != 1 || stage.virtual_size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
     PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
     return CutStage(whole, stage);
@@ -324,8 +374,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
       for (int64_t j = 0; j < config.num_experts; ++j) {
         const std::string e = fmt::format("{}mlp.experts.local_experts.{}.", p, j);
         const int64_t at = add(e + "linear_fc1.weight", {fm1, c}, std);
+        m.infos.back().expert = true;
         if (j == 0) lp.experts = at;
         add(e + "linear_fc2.weight", {c, fm}, out_std);
+        m.infos.back().expert = true;
       }
       lp.fc1_w = lp.fc1_b = lp.fc2_w = lp.fc2_b = -1;
       m.layers.push_back(lp);

@@ -151,6 +151,9 @@ struct ParamInfo {
   // (Megatron's shared output weight). Its gradient is summed with the first stage's over the
   // embedding group; norms and counts of the whole model count it once, on the first stage.
   bool embedding_copy = false;
+  // A mixture-of-experts layer's expert weight (Megatron's allreduce=False parameters): with expert
+  // parallelism each expert rank holds its experts' only, reduced over the expert-data-parallel group.
+  bool expert = false;
 };
 
 // One pipeline stage's part of the model (Megatron's pipeline parallelism): the transformer layers
@@ -212,14 +215,20 @@ struct ParamLayout {
   bool ChunkPostProcess(int v) const { return post_process && v == virtual_size - 1; }
   // The model chunk of transformer layer `l` of this layout (l / chunk_layers()).
   int ChunkOfLayer(int64_t l) const { return static_cast<int>(l / chunk_layers()); }
+  // Expert parallelism (Megatron's --expert-model-parallel-size): expert rank expert_rank of expert_size holds
+  // the experts [expert_rank · E / expert_size, + E / expert_size) of each MoE layer, named by their local
+  // index (local_experts.J, J from 0) as Megatron's SequentialMLP; every other tensor is whole.
+  int expert_size = 1, expert_rank = 0;
+  int64_t local_experts() const { return config.num_experts / expert_size; }
   std::vector<size_t> whole_index;
   size_t WholeInfoIndex(size_t k) const { return whole_index.empty() ? k : whole_index[k]; }
 
   // The whole model at tensor_size 1; tensor rank `tensor_rank`'s partition otherwise (heads, ffn
   // and the padded vocabulary must divide by tensor_size: InvalidArgument naming the flag).
   // With `stage`: that pipeline stage's part of it.
+  // With expert_size above 1: expert rank `expert_rank`'s experts only (num_experts must divide by it).
   static absl::StatusOr<ParamLayout> Create(const GPTConfig& config, int tensor_size = 1, int tensor_rank = 0,
-                                            const PipelineStage& stage = {});
+                                            const PipelineStage& stage = {}, int expert_size = 1, int expert_rank = 0);
   // The parameters a norm of the whole model counts on this stage: all but the embedding copy.
   bool CountedInNorms(const ParamInfo& p) const { return !p.embedding_copy; }
   // Where the embedding copy begins (it ends the buffer); num_params without one.

@@ -145,6 +145,7 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
       {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
       {"--pipeline-model-parallel-size", std::to_string(std::max<size_t>(1, o.pipeline_stage_layers.size()))},
       {"--context-parallel-size", std::to_string(o.context_parallel_size)},
+      {"--expert-model-parallel-size", std::to_string(o.expert_model_parallel_size)},
       // The first and last stage's layers as the run has them (given or split evenly).
       {"--decoder-first-pipeline-num-layers",
        o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.front()) : ""},

@@ -8,6 +8,32 @@
 namespace ptk {
 
 namespace {
+// Expert parallelism (one tensor rank and stage, no ZeRO-1): each expert rank's weights and moments (its
+// experts' and the replicated rest) gathered over its expert group, data rank 0 then holding every expert
+// rank's file (mp_rank_00_EEE), as Megatron's expert-data rank 0 of each expert rank saves it.
+absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert) {
+  if (model->shard() || model->layout().tensor_size > 1 || model->layout().pipeline_size > 1)
+    return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1, tensor or pipeline parallelism");
+  const size_t n = static_cast<size_t>(model->num_params());
+  const int E = expert->size(), me = expert->rank();
+  std::vector<std::vector<float>> all(3, std::vector<float>(n * static_cast<size_t>(E)));
+  const auto at = [&](size_t k, int e) {
+    return all[k].begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(e) * n);
+  };
+  PTK_RETURN_IF_ERROR(model->ReadParams(std::span<float>(&*at(0, me), n)));
+  PTK_RETURN_IF_ERROR(model->ReadMoments(std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
+  const std::vector<int64_t> bytes(static_cast<size_t>(E), static_cast<int64_t>(n * sizeof(float)));
+  for (std::vector<float>& v : all) PTK_RETURN_IF_ERROR(expert->AllGather(v.data(), bytes));
+  std::vector<CheckpointArrays> out;
+  if (data->rank() != 0) return out;
+  for (int e = 0; e < E; ++e) {
+    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), 1, 0, {}, E, e));
+    auto slice = [&](size_t k) { return std::vector<float>(at(k, e), at(k, e + 1)); };
+    out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Communicator* data, Communicator* tensor) {
   const size_t n = static_cast<size_t>(model->num_params());
   CheckpointArrays mine{model->layout(), {}, {}, {}};
@@ -27,6 +53,7 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Commu
     PTK_RETURN_IF_ERROR(data->AllGather(m.data(), bytes));
     PTK_RETURN_IF_ERROR(data->AllGather(v.data(), bytes));
   }
+  if (model->expert_comm() != nullptr) return GatherExperts(model, data, model->expert_comm());
   std::vector<CheckpointArrays> out;
   if (data->rank() != 0) return out;
   if (!model->shard()) {

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 
 #include "common/status.h"
+#include "trainer/expert_grads.h"
 
 namespace ptk {
 
@@ -180,7 +181,9 @@ absl::Status TrainStep::MeasureGrads(StepResult* r) {
   // itself is folded into the inner step's one pass), the count of zeros, AdamW, ZeRO-1's gather.
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer", 1));
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-clip-main-grad", 1));
-  PTK_ASSIGN_OR_RETURN(double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
+  PTK_ASSIGN_OR_RETURN(double sum_squares, model_->shard()         ? ShardedGradSumSquares()
+                                           : model_->expert_comm() ? ExpertParallelGradSum(/*squares=*/true)
+                                                                   : model_->GradSumSquares());
   // Tensor parallelism: each tensor rank's part of the whole model's (its slices; the tensors every
   // rank holds whole counted by tensor rank 0), so the norm and the NaN check span the whole model;
   // then the stages' parts (a last stage's embedding copy left out).
@@ -259,7 +262,9 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
   // summed over the ranks, the rest left alone.
   if (!overlap) {
     PTK_RETURN_IF_ERROR(StartTimer(timers_, "all-grads-sync", 1));
-    PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
+    PTK_RETURN_IF_ERROR(model_->shard()         ? model_->ReduceScatterGrads(comm_)
+                        : model_->expert_comm() ? ReduceExpertParallelGrads(model_, comm_)
+                                                : model_->AllReduceGrads(comm_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
   }
   // Megatron times the sum as non-tensor-parallel-grads-all-reduce (level 1, megatron-core 0.16's
@@ -287,7 +292,16 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
   return StopTimer(timers_, "embedding-grads-all-reduce");
 }
 
+// Expert parallelism: the gradients' sum of squares or zeros, each expert rank's experts added once (Megatron's
+// get_grad_norm_fp32 over the expert model-parallel group), the rest every rank's alike.
+absl::StatusOr<double> TrainStep::ExpertParallelGradSum(bool squares) {
+  std::vector<float> grads(static_cast<size_t>(model_->num_params()));
+  PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
+  return ExpertParallelSum(model_->layout(), grads, squares, model_->expert_comm());
+}
+
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {
+  if (model_->expert_comm()) return ExpertParallelGradSum(/*squares=*/false);
   std::vector<float> grads(static_cast<size_t>(model_->num_params()));
   PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
   double zeros = 0;
@@ -305,6 +319,10 @@ absl::StatusOr<double> TrainStep::CountZerosInGrad() {
 absl::StatusOr<double> TrainStep::ParamsNorm() {
   std::vector<float> own(static_cast<size_t>(model_->moments_size()));
   PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
+  if (model_->expert_comm()) {
+    PTK_ASSIGN_OR_RETURN(const double sum, ExpertParallelSum(model_->layout(), own, true, model_->expert_comm()));
+    return std::sqrt(sum);
+  }
   double sum = 0;
   const int64_t begin = model_->moments_begin();
   // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;

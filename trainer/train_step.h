@@ -174,6 +174,7 @@ class TrainStep {
   AdamWGroups Groups(double lr) const;
   // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).
   absl::StatusOr<double> CountZerosInGrad();
+  absl::StatusOr<double> ExpertParallelGradSum(bool squares);
 
   GPTModel* model_;
   OptimizerConfig config_;

@@ -209,7 +209,7 @@ absl::Status Trainer::Save(bool non_persistent) {
     const int pp = pipe_ ? pipe_->size() : 1;
     Print(fmt::format("  successfully saved {}checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/{} ] ({:.1f} ms)",
                       non_persistent ? "non-persistent " : "", state_.iteration, dir,
-                      parts.size() / static_cast<size_t>(pp), pp,
+                      parts.size() / static_cast<size_t>(pp * model_->layout().expert_size), pp,
                       std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     // Every rank's part is in the checkpoint now complete (rank 0 wrote them all): the older one may go.
     if (std::string line = RetainAfterSave(o_.save, previous, state_.iteration, o_.save_retain_interval); !line.empty())

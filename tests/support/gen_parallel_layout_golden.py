@@ -10,6 +10,11 @@ unchanged. Nothing of Megatron's logic is replaced.
 Usage: /usr/bin/python3 tests/support/gen_parallel_layout_golden.py > tests/data/trainer/parallel_layout_groups.txt
 (megatron-core 0.16.1 under /opt/ptk-pyref or on PTK_PYREF_DIR: scripts/install-deps.sh --with-python-ref).
 Each line: WORLD TENSOR PIPELINE KIND GROUP;GROUP;... with GROUP the comma-separated global ranks.
+
+With --expert: the expert groups (tensor and context size 1) of initialize_model_parallel's
+expert_decoder_rank_generator, RankGenerator(tp=1, ep=E, dp=world // (E * pipeline), pp, cp=1), its
+get_ranks('ep') and get_ranks('dp'), into tests/data/trainer/parallel_layout_expert_groups.txt; each line
+WORLD PIPELINE EXPERT KIND GROUP;GROUP;... (KIND expert or expert-data).
 """
 import ast
 import os
@@ -40,8 +45,21 @@ def load_megatron():
     return ns
 
 
+EXPERT_LAYOUTS = [(2, 1, 2), (4, 1, 2), (4, 1, 4), (8, 1, 2), (8, 2, 2), (16, 2, 4), (12, 3, 2)]
+
+
+def main_expert(mg):
+    for world, pp, ep in EXPERT_LAYOUTS:
+        gen = mg["RankGenerator"](tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        for kind, token in (("expert", "ep"), ("expert-data", "dp")):
+            text = ";".join(",".join(str(r) for r in g) for g in gen.get_ranks(token))
+            print(f"{world} {pp} {ep} {kind} {text}")
+
+
 def main():
     mg = load_megatron()
+    if sys.argv[1:] == ["--expert"]:
+        return main_expert(mg)
     for world, tp, pp in LAYOUTS:
         gen = mg["RankGenerator"](tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
         groups = {kind: gen.get_ranks(token) for kind, token in KINDS}

@@ -211,7 +211,11 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
        "usage error: --num-experts without --disable-bias-linear: ptk's MoE layers have no biases"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --tensor-model-parallel-size 2",
        "usage error: --num-experts 8 with --tensor-model-parallel-size 2: ptk's mixture-of-experts layers run with "
-       "data, pipeline and context parallelism only"},
+       "data, expert, pipeline and context parallelism only"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --expert-model-parallel-size 3",
+       "usage error: --num-experts 8 is not divisible by --expert-model-parallel-size 3"},
+      {"WORLD_SIZE=6", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --expert-model-parallel-size 4",
+       "usage error: --expert-model-parallel-size 4: the data-parallel size 6"},
   };
   for (const Case& c : cases) {
     auto r = RunCmd(c.env + " " + model + " " + c.flags);

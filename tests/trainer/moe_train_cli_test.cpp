@@ -322,7 +322,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --moe-layer-freq __import__(\"os\"): a "
        "positive count"},
       {moe + " --moe-layer-freq '[0]*3'", "usage error: --moe-layer-freq [0]*3: no layer is MoE"},
-      {moe + " --expert-model-parallel-size 2", "usage error: --num-experts 4 with --expert-model-parallel-size 2:"},
       {moe + " --tensor-model-parallel-size 2", "usage error: --num-experts 4 with --tensor-model-parallel-size 2:"},
       {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
        "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},

@@ -38,7 +38,9 @@ const std::map<std::string, ParallelGroup> kKinds = {{"tensor", ParallelGroup::k
                                                      {"embedding", ParallelGroup::kEmbedding},
                                                      {"model", ParallelGroup::kModel},
                                                      {"context", ParallelGroup::kContext},
-                                                     {"data-context", ParallelGroup::kDataContext}};
+                                                     {"data-context", ParallelGroup::kDataContext},
+                                                     {"expert", ParallelGroup::kExpert},
+                                                     {"expert-data", ParallelGroup::kExpertData}};
 
 // Every group of `kind` in `layout` is Megatron's `text` (GroupAt, Groups and each rank's Group).
 void ExpectGroups(const ParallelLayout& layout, ParallelGroup kind, const std::string& text) {
@@ -171,6 +173,42 @@ TEST(ParallelLayout, GroupsAreMegatronCoresRankGenerators) {
   EXPECT_EQ(lines, 11 * 5);
 }
 
+// Expert parallelism's groups (tensor and context size 1) against megatron-core's expert rank generator
+// (gen_parallel_layout_golden.py --expert): its "ep" and expert "dp" groups, in its order, and each rank's.
+TEST(ParallelLayout, ExpertGroupsAreMegatronCoresExpertRankGenerator) {
+  std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/parallel_layout_expert_groups.txt"));
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    int world = 0, pipeline = 0, expert = 0;
+    std::string kind_name;
+    fields >> world >> pipeline >> expert >> kind_name;
+    SCOPED_TRACE(line.substr(0, 80));
+    ASSERT_TRUE(kKinds.count(kind_name));
+    auto layout = ParallelLayout::Create(world, 1, pipeline, 1, expert);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->expert_size(), expert);
+    std::string text;
+    fields >> text;
+    ASSERT_NO_FATAL_FAILURE(ExpectGroups(*layout, kKinds.at(kind_name), text));
+    ++lines;
+  }
+  EXPECT_EQ(lines, 7 * 2);
+  // The expert size divides the data ranks, at tensor and context size 1 only: usage errors naming the flags.
+  for (const auto& [s, want] : std::vector<std::pair<absl::Status, std::string>>{
+           {ParallelLayout::Create(4, 1, 1, 1, 3).status(), "--expert-model-parallel-size 3: the data-parallel size 4"},
+           {ParallelLayout::Create(8, 2, 1, 1, 2).status(),
+            "--expert-model-parallel-size 2 with --tensor-model-parallel-size 2"},
+           {ParallelLayout::Create(8, 1, 1, 2, 2).status(),
+            "--expert-model-parallel-size 2 with --context-parallel-size 2"},
+           {ParallelLayout::Create(8, 1, 1, 1, 0).status(),
+            "--expert-model-parallel-size must be at least 1, not 0"}}) {
+    EXPECT_TRUE(IsUsageError(s)) << s;
+    EXPECT_NE(StatusMessage(s).find(want), std::string_view::npos) << s;
+  }
+}
+
 TEST(ParallelLayout, CoordinatesPutTensorRanksAdjacentThenDataThenPipeline) {
   auto layout = ParallelLayout::Create(16, 2, 4);
   ASSERT_TRUE(layout.ok());
@@ -208,7 +246,7 @@ TEST(ParallelLayout, RefusesWhatDoesNotDivideAsUsageErrors) {
             "the world size 6 is not divisible by tensor × pipeline model parallel × context parallel size 1 × 1 × 4 = "
             "4");
   EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 1, 1, 0).status()));
-  s = ParallelLayout::Create(8, 1, 1, 1, 4).status();
+  s = ParallelLayout::Create(6, 1, 1, 1, 4).status();
   EXPECT_NE(StatusMessage(s).find("--expert-model-parallel-size 4"), std::string_view::npos) << s;
   EXPECT_TRUE(ParallelLayout::Create(1, 1, 1).ok());
 }

@@ -33,6 +33,10 @@ struct CpuGPTModel::Activations {
   std::vector<float> cp_gather, cp_qkv, cp_dqkv;
   // Mixture-of-experts layers' routing and expert activations (empty for a dense layer).
   std::vector<cpu::MoeActivations<float>> moe;
+  // Expert parallelism: each MoE layer's rows of the expert group's tokens routed to this rank's experts, and
+  // the dispatch's gathered buffer.
+  std::vector<cpu::MoeActivations<float>> moe_ep;
+  std::vector<float> ep_buf;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };

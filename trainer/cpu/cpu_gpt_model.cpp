@@ -25,11 +25,18 @@ CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)) {
 CpuGPTModel::~CpuGPTModel() = default;
 
 absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config, Communicator* tensor,
-                                                                 bool sequence_parallel, const PipelineStage& stage) {
+                                                                 bool sequence_parallel, const PipelineStage& stage,
+                                                                 Communicator* expert, Communicator* expert_data) {
   const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank, stage));
+  const int ep = expert ? expert->size() : 1;
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout,
+                       ParamLayout::Create(config, size, rank, stage, ep, ep > 1 ? expert->rank() : 0));
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
+  if (ep > 1) {
+    model->expert_comm_ = expert;
+    model->expert_data_comm_ = expert_data;
+  }
   if (size > 1 && sequence_parallel) {
     if (config.seq_length % size != 0)
       return absl::InvalidArgumentError(

@@ -21,9 +21,14 @@ class CpuGPTModel final : public GPTModel {
   // ones; the norms' and the row-parallel biases' gradients are this rank's positions' (GPTModel::sequence_parallel).
   // With `stage` (several stages): that pipeline stage's part of the model (ParamLayout::Create),
   // trained through StageForward / StageBackward.
+  // With `expert` (a group of several ranks, Megatron's expert-parallel group): this expert rank's experts of
+  // each MoE layer (ParamLayout::Create's), the tokens dispatched over `expert` (expert_parallel_cpu.h); their
+  // gradients are reduced over `expert_data` (GPTModel::expert_data_comm). Both must outlive the model.
   static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr,
                                                              bool sequence_parallel = false,
-                                                             const PipelineStage& stage = {});
+                                                             const PipelineStage& stage = {},
+                                                             Communicator* expert = nullptr,
+                                                             Communicator* expert_data = nullptr);
   ~CpuGPTModel() override;
   // Context parallelism (Megatron's --context-parallel-size, its allgather exchange): each batch
   // holds this rank's positions of its samples (ContextParallelPositions over `context`'s ranks:
@@ -135,7 +140,7 @@ class CpuGPTModel final : public GPTModel {
   // training pass's load-balancing loss added to moe_aux_sum_ (with context ranks its counts the
   // group's, summed over context_comm_); backward from act_->dtmp, ln2's output gradient assigned to act_->dln.
   absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train);
-  void MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
+  absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
   double moe_aux_sum_ = 0;
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);

@@ -219,7 +219,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
     if (lp.router_w >= 0) {  // a mixture-of-experts layer
-      MoeMlpBackward(l, lp, train);
+      PTK_RETURN_IF_ERROR(MoeMlpBackward(l, lp, train));
     } else {
       float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
       std::fill(dact, dact + n * f, 0.0f);

@@ -8,6 +8,7 @@
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/expert_parallel_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 
 namespace ptk {
@@ -34,7 +35,13 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
   const float* P = params_.data();
   cpu::MoeRouterForward(&m, a.ln2[l].data(), P + lp.router_w, n, cf.hidden_size, s);
-  cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
+  if (expert_comm_ != nullptr) {  // expert parallelism: this rank's experts on the expert group's tokens
+    if (a.moe_ep.size() < a.moe.size()) a.moe_ep.resize(a.moe.size());
+    PTK_RETURN_IF_ERROR(cpu::ExpertParallelForward(a.tmp.data(), &m, &a.moe_ep[static_cast<size_t>(l)], a.ln2[l].data(),
+                                                   P + lp.experts, cf.hidden_size, s, expert_comm_, &a.ep_buf));
+  } else {
+    cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
+  }
   // Megatron tracks (and injects) the load-balancing loss only in training passes with a coefficient.
   if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
   if (cp()) {  // the experts' token counts over the whole sequence (Megatron's over the tensor x context group)
@@ -51,7 +58,7 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   return absl::OkStatus();
 }
 
-void CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool train) {
+absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool train) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const cpu::MoeSettings s = MoeSettingsOf(cf);
@@ -60,8 +67,13 @@ void CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool train) {
   float* G = grads_.data();
   const double aux_grad = train ? cf.moe_aux_loss_coeff * moe_aux_loss_scale_ : 0.0;
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  if (expert_comm_ != nullptr)
+    return cpu::ExpertParallelBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m,
+                                       &a.moe_ep[static_cast<size_t>(l)], a.ln2[l].data(), P + lp.router_w,
+                                       P + lp.experts, cf.hidden_size, s, aux_grad, expert_comm_, &a.ep_buf);
   cpu::MoeBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m, a.ln2[l].data(), P + lp.router_w,
                    P + lp.experts, cf.hidden_size, s, aux_grad);
+  return absl::OkStatus();
 }
 
 }  // namespace ptk

@@ -171,7 +171,7 @@ double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s) {
 
 template <typename T>
 void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t c, const MoeSettings& s) {
-  const int64_t rows = a->n * s.topk, f1 = s.fc1_rows(), f = s.ffn;
+  const int64_t rows = a->begin[s.experts], f1 = s.fc1_rows(), f = s.ffn;  // n·K, or an expert rank's rows
   a->fc1.resize(static_cast<size_t>(rows * f1));
   a->act.resize(static_cast<size_t>(rows * f));
   a->scaled.resize(static_cast<size_t>(rows * f));
@@ -230,15 +230,15 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad)
 }  // namespace
 
 template <typename T>
-void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
-                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad) {
-  const int64_t n = a->n, K = s.topk, rows = n * K, f1 = s.fc1_rows(), f = s.ffn;
+void MoeExpertsBackward(T* dx, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* w_experts, int64_t c,
+                        const MoeSettings& s) {
+  const int64_t n = a->n, K = s.topk, rows = a->begin[s.experts], f1 = s.fc1_rows(), f = s.ffn;
   a->dout.resize(static_cast<size_t>(rows * c));
   for (int64_t r = 0; r < rows; ++r) std::copy_n(dout + a->order[r] / K * c, c, a->dout.data() + r * c);
   a->dact.assign(static_cast<size_t>(rows * f), T{0});
   a->dfc1.resize(static_cast<size_t>(rows * f1));
   a->dx.assign(static_cast<size_t>(rows * c), T{0});
-  a->dprob.assign(static_cast<size_t>(rows), T{0});
+  a->dprob.assign(static_cast<size_t>(n * K), T{0});
   for (int64_t e = 0; e < s.experts; ++e) {
     const int64_t r0 = a->begin[e], ne = a->begin[e + 1] - r0;
     if (ne == 0) continue;
@@ -264,8 +264,20 @@ void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivatio
     T* y = dx + a->order[r] / K * c;
     for (int64_t j = 0; j < c; ++j) y[j] += a->dx[r * c + j];
   }
+}
+
+template <typename T>
+void MoeRouterBackward(T* dx, T* dw_router, MoeActivations<T>* a, const T* x, const T* w_router, int64_t c,
+                       const MoeSettings& s, double aux_grad) {
   RouterBackward(a, s, aux_grad);
-  MatmulBackward(dx, dw_router, static_cast<T*>(nullptr), a->dlogits.data(), x, w_router, n, c, s.experts);
+  MatmulBackward(dx, dw_router, static_cast<T*>(nullptr), a->dlogits.data(), x, w_router, a->n, c, s.experts);
+}
+
+template <typename T>
+void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
+                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad) {
+  MoeExpertsBackward(dx, dw_experts, dout, a, w_experts, c, s);
+  MoeRouterBackward(dx, dw_router, a, x, w_router, c, s, aux_grad);
 }
 
 #define PTK_INSTANTIATE(T)                                                                                         \
@@ -277,5 +289,13 @@ void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivatio
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
+// MoeBackward's halves (expert parallelism's).
+#define PTK_INSTANTIATE_HALVES(T)                                                                                   \
+  template void MoeExpertsBackward<T>(T*, T*, const T*, MoeActivations<T>*, const T*, int64_t, const MoeSettings&); \
+  template void MoeRouterBackward<T>(T*, T*, MoeActivations<T>*, const T*, const T*, int64_t, const MoeSettings&,   \
+                                     double);
+PTK_INSTANTIATE_HALVES(float)
+PTK_INSTANTIATE_HALVES(double)
+#undef PTK_INSTANTIATE_HALVES
 
 }  // namespace ptk::cpu

@@ -71,6 +71,17 @@ void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t
 // The whole layer's backward from dout (n, c): dx (n, c) accumulated with the experts' and the
 // router's input gradients, dw_router (E, c) and dw_experts accumulated. aux_grad: d(objective) /
 // d(load-balancing loss without its coefficient), i.e. coefficient x the loss's weight (0: none).
+// MoeBackward's two halves, for expert parallelism (the experts on the tokens gathered from the expert
+// group, the router on this rank's own). The experts': dx (n, c) accumulated through the experts, dw_experts
+// accumulated, a->dprob (n, K) assigned (0 for the slots of experts `a` holds no rows of). `a` may hold rows
+// of only some slots (an expert rank's: begin[s.experts] rows, s.experts its local experts).
+template <typename T>
+void MoeExpertsBackward(T* dx, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* w_experts, int64_t c,
+                        const MoeSettings& s);
+// The router's: from a->dprob and the load-balancing loss, dx (n, c) and dw_router (E, c) accumulated.
+template <typename T>
+void MoeRouterBackward(T* dx, T* dw_router, MoeActivations<T>* a, const T* x, const T* w_router, int64_t c,
+                       const MoeSettings& s, double aux_grad);
 template <typename T>
 void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
                  const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad);
