@@ -290,11 +290,11 @@ class NumpyRandomState {
     return (a * 67108864.0 + b) / 9007199254740992.0;
   }
 
-  // RandomState.binomial(n, p) for a scalar p in [0, 1] and n * min(p, 1 - p) <= 30 (numpy's
-  // random_binomial: p = 0 or n = 0 draws nothing; p above one half draws n - X of 1 - p; both by
-  // random_binomial_inversion, which starts over when X passes its bound). The caller checks p.
+  // RandomState.binomial(n, p) for a scalar p in [0, 1] and n * min(p, 1 - p) <= 30: numpy's
+  // legacy_random_binomial (no shortcut for p = 0 or n = 0, unlike Generator's: every call draws), p above
+  // one half drawing n - X of 1 - p, both by legacy_random_binomial_inversion, which starts over when X
+  // passes its bound. The caller checks p.
   int64_t Binomial(int64_t n, double p) {
-    if (n == 0 || p == 0.0) return 0;
     if (p <= 0.5) return BinomialInversion(n, p);
     return n - BinomialInversion(n, 1.0 - p);
   }
