@@ -165,8 +165,10 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   ds->end_ = end;
   ds->split_ = split;
   ds->config_ = config;
+  const char* cls = config.fim ? "GPTFIMDataset" : "GPTDataset";
+  if (config.fim) ds->fim_.reset(new FimState{{}, FimTransform(*config.fim, config.random_seed)});
   py::Json::Object id = {
-      {"class", "GPTDataset"},
+      {"class", cls},
       {"dataset_path", dataset_path},
       {"num_samples", num_samples ? py::Json(*num_samples) : py::Json()},
       {"index_split", SplitName(split)},
@@ -181,7 +183,7 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   ds->hash_ = Md5Hex(ds->description_);
   const std::string dir =
       config.path_to_cache ? *config.path_to_cache : JoinPath(JoinPath(dataset_path, "cache"), "GPTDataset_indices");
-  ds->cache_prefix_ = JoinPath(dir, fmt::format("{}-GPTDataset-{}-", ds->hash_, SplitName(split)));
+  ds->cache_prefix_ = JoinPath(dir, fmt::format("{}-{}-{}-", ds->hash_, cls, SplitName(split)));
   if (ds->TryLoadCache(num_samples)) {
     ds->from_cache_ = true;
     return ds;
@@ -362,6 +364,14 @@ absl::Status GPTDataset::Text(int64_t idx, int64_t* out, int64_t* dataset_id) co
       const int64_t length = i < d1 ? -1 : o1 + add;
       PTK_RETURN_IF_ERROR(append(seq_id, offset, length));
     }
+  }
+  if (fim_) {  // Megatron's GPTFIMDataset rewrites the parts it read (no padding), its length kept
+    std::vector<int64_t> sample(out, out + n);
+    {
+      std::lock_guard<std::mutex> lock(fim_->mu);
+      PTK_RETURN_IF_ERROR(fim_->transform.Apply(&sample));
+    }
+    std::copy(sample.begin(), sample.end(), out);
   }
   for (; n < want; ++n) out[n] = config_.pad;
   return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -13,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/py_format.h"
+#include "indexed_dataset/fim_dataset.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "indexed_dataset/npy.h"
 
@@ -53,6 +55,9 @@ struct GPTDatasetConfig {
   double mid_level_dataset_surplus = 0.005;
   int64_t eod = 50256;
   int64_t pad = -1;  // Megatron's _PAD_TOKEN_ID when the tokenizer has no usable pad id
+  // --fim-data: each GPTDataset is Megatron's GPTFIMDataset (its class name in the description and the
+  // index cache's file names, its samples rewritten by its own FimTransform seeded with random_seed).
+  std::shared_ptr<const FimConfig> fim;
 };
 
 // An index cache that could not be written (`what`: "GPTDataset", "BlendedDataset"; `dir`: where
@@ -126,6 +131,13 @@ class GPTDataset : public TopLevelDataset {
   py::Json identifiers_;
   IndexArray document_index_, sample_index_, shuffle_index_;
   int64_t num_epochs_ = 0;
+  // --fim-data: the transform draws in the order samples are read (Text is called by one loader at a time,
+  // the lock keeps it whole).
+  struct FimState {
+    std::mutex mu;
+    FimTransform transform;
+  };
+  std::unique_ptr<FimState> fim_;
   std::string cache_prefix_;
 };
 

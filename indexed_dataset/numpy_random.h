@@ -5,11 +5,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "common/status.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -281,6 +284,21 @@ class NumpyRandomState {
       ShuffleWith<uint64_t>(x, n);
   }
 
+  // numpy's next_double for MT19937: 53 bits from two outputs (27 and 26 bits), in [0, 1).
+  double NextDouble() {
+    const int32_t a = static_cast<int32_t>(gen_() >> 5), b = static_cast<int32_t>(gen_() >> 6);
+    return (a * 67108864.0 + b) / 9007199254740992.0;
+  }
+
+  // RandomState.binomial(n, p) for a scalar p in [0, 1] and n * min(p, 1 - p) <= 30: numpy's
+  // legacy_random_binomial (no shortcut for p = 0 or n = 0, unlike Generator's: every call draws), p above
+  // one half drawing n - X of 1 - p, both by legacy_random_binomial_inversion, which starts over when X
+  // passes its bound. The caller checks p.
+  int64_t Binomial(int64_t n, double p) {
+    if (p <= 0.5) return BinomialInversion(n, p);
+    return n - BinomialInversion(n, 1.0 - p);
+  }
+
  private:
   template <typename Draw, typename T>
   void ShuffleWith(T* x, size_t n) {
@@ -303,6 +321,28 @@ class NumpyRandomState {
     uint64_t hi = gen_();
     uint64_t lo = gen_();
     return (hi << 32) | lo;
+  }
+  int64_t BinomialInversion(int64_t n, double p) {
+    PTK_CHECK(static_cast<double>(n) * p <= 30.0);  // numpy's BTPE branch is not mirrored
+    const double q = 1.0 - p;
+    const double qn = std::exp(static_cast<double>(n) * std::log(q));
+    const double np = static_cast<double>(n) * p;
+    const int64_t bound = static_cast<int64_t>(std::min(static_cast<double>(n), np + 10.0 * std::sqrt(np * q + 1)));
+    int64_t x = 0;
+    double px = qn;
+    double u = NextDouble();
+    while (u > px) {
+      ++x;
+      if (x > bound) {
+        x = 0;
+        px = qn;
+        u = NextDouble();
+      } else {
+        u -= px;
+        px = (static_cast<double>(n - x + 1) * p * px) / (static_cast<double>(x) * q);
+      }
+    }
+    return x;
   }
   Mt19937 gen_;
 };

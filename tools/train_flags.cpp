@@ -2,6 +2,8 @@
 // range check. ResolveTrainFlags (train_resolve.cpp) turns the parsed values into TrainOptions.
 #include "tools/train_flags.h"
 
+#include <fmt/core.h>
+
 #include "common/cli.h"
 #include "tools/train_flag_parts.h"
 #include "trainer/model_limits.h"
@@ -137,6 +139,29 @@ void AddBatchAndOptimizerFlags(CLI::App* app, TrainFlags* f) {
       ->check(NonNegative());
 }
 
+// Megatron's fill-in-the-middle dataset (GPTFIMDataset): trainer/fim_codec.h.
+void AddFimFlags(CLI::App* app, FimOptions* fim) {
+  app->add_flag("--fim-data", fim->enabled,
+                "Fill-in-the-middle samples (Megatron's GPTFIMDataset; needs --num-workers 0, see docs/ptk-train.md)");
+  app->add_option("--fim-rate", fim->rate, "--fim-data: probability that a segment becomes FIM (default 0.5)")
+      ->check(RealIn(0, false, 1, false));
+  app->add_option("--fim-spm-rate", fim->spm_rate,
+                  "--fim-data: probability that a FIM segment is SPM instead of PSM (default 0.5)")
+      ->check(RealIn(0, false, 1, false));
+  app->add_option("--fim-split-sample", fim->split_sample,
+                  "--fim-data: a token (vocab.json's spelling) splitting segments into fragments, each FIM'd apart");
+  app->add_option("--fim-fragment-rate", fim->fragment_rate,
+                  "--fim-data: probability that a fragment becomes FIM (needed with --fim-split-sample)")
+      ->check(RealIn(0, false, 1, false));
+  app->add_option("--fim-no-prefix", fim->no_prefix,
+                  "--fim-data: leave segments whose text starts with this as they are");
+  app->add_option("--fim-prefix-token", fim->prefix_token, "--fim-data: the prefix sentinel token (<fim_prefix>)");
+  app->add_option("--fim-middle-token", fim->middle_token, "--fim-data: the middle sentinel token (<fim_middle>)");
+  app->add_option("--fim-suffix-token", fim->suffix_token, "--fim-data: the suffix sentinel token (<fim_suffix>)");
+  app->add_option("--fim-pad-token", fim->pad_token, "--fim-data: the token padding a shortened sample (<fim_pad>)");
+  app->add_option("--fim-eod-token", fim->eod_token, "--fim-data: the token separating the segments (<|endoftext|>)");
+}
+
 void AddDataFlags(CLI::App* app, TrainFlags* f) {
   TrainOptions& o = f->options;
   // A list given twice: its last occurrence, as argparse (cli::Parse, for every tool).
@@ -165,6 +190,7 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--reset-position-ids", o.reset_position_ids, "Restart positions after each end-of-document token");
   app->add_flag("--reset-attention-mask", f->reset_attention_mask,
                 "Not supported: attention is causal over the whole sequence");
+  AddFimFlags(app, &o.fim);
 }
 
 // Evaluation: how often, how much, Megatron's evaluation modes.
@@ -438,6 +464,19 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
 }
 
 }  // namespace
+
+absl::Status ResolveFimFlags(const TrainFlags& f, const TrainOptions& o) {
+  if (!o.fim.enabled) return absl::OkStatus();
+  if (o.mock_data)
+    return UsageError("--fim-data with --mock-data: Megatron's FIM dataset reads --data-path (refused, as Megatron)");
+  auto workers = f.compat.find("--num-workers");
+  if (workers == f.compat.end() || workers->second != "0")
+    return UsageError(fmt::format(
+        "--fim-data needs --num-workers 0 (given: {}): Megatron's loader workers (2 by default) each draw FIM from "
+        "their own copy of the dataset's RNG, and ptk's one loader draws in Megatron's order with 0 workers only",
+        workers == f.compat.end() ? "none, Megatron's default 2" : workers->second));
+  return MakeFimConfig(o.fim, o.vocab_file, o.merge_file).status();  // the tokens, now, before any model is made
+}
 
 void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   // As argparse: a flag given twice takes the last value (scripts append overrides); cli::Parse

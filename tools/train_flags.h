@@ -111,6 +111,8 @@ cli::UnknownFlagHints LauncherFlagHints();
 // context, expert) and the device (CUDA) ptk's MoE layers do not run with yet, refused naming them.
 void AddMoeFlags(CLI::App* app, TrainFlags* flags);
 absl::Status ResolveMoeFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+// --fim-data: refused with --mock-data and without --num-workers 0, its flags and tokens checked (MakeFimConfig).
+absl::Status ResolveFimFlags(const TrainFlags& f, const TrainOptions& o);
 absl::Status RefuseMoeParallelism(const TrainFlags& flags);
 absl::Status RefuseMoeDevice(const TrainFlags& flags, Device device);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.

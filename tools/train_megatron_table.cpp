@@ -233,10 +233,6 @@ constexpr Group kGroups[] = {
      "--tiktoken-special-tokens=+ --tokenizer-hf-include-special-tokens --tokenizer-hf-use-fast "
      "--tokenizer-metadata= --tokenizer-sentencepiece-legacy --tokenizer-special-tokens=+ "
      "--trust-remote-code"},
-    {true, "fill-in-the-middle samples are not implemented; the dataset is Megatron's plain GPT dataset",
-     "--fim-data --fim-eod-token= --fim-fragment-rate= --fim-middle-token= --fim-no-prefix= "
-     "--fim-pad-token= --fim-prefix-token= --fim-rate= --fim-split-sample= --fim-spm-rate= "
-     "--fim-suffix-token="},
     {true, "object storage (S3, MSC) is not read; give local files",
      "--object-storage-cache-path="},
     {true, "Megatron's fault-tolerance machinery is not implemented; --exit-signal-handler saves on SIGTERM and a relaunch with --load resumes",

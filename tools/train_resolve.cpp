@@ -320,7 +320,7 @@ absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
           "--data-args-path: give one");
     PTK_RETURN_IF_ERROR(ReadPerSplitDataArgs(f.per_split_data_args_path, &o.data));
   }
-  return absl::OkStatus();
+  return ResolveFimFlags(f, o);
 }
 
 // Checkpoints' schedule, seed, device, precision, profiling, loss scaling, communicator, metrics.

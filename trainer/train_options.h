@@ -17,6 +17,7 @@
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "trainer/backend.h"
 #include "trainer/comm.h"
+#include "trainer/fim_codec.h"
 #include "trainer/gpt_model.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/train_step.h"
@@ -96,6 +97,7 @@ struct TrainOptions {
   bool mock_data = false;
   std::optional<std::string> data_cache_path;
   double mid_level_dataset_surplus = 0.005;  // Megatron's --mid-level-dataset-surplus (blends only)
+  FimOptions fim;                            // --fim-data and its flags: Megatron's GPTFIMDataset
   uint32_t seed = 1234;
   std::string vocab_file, merge_file;
   // --make-vocab-size-divisible-by, recorded beside the padded vocabulary it gave (model.padded_vocab_size

@@ -95,6 +95,9 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   cfg.eod_mask_loss = o.eod_mask_loss;
   cfg.reset_position_ids = o.reset_position_ids;
   cfg.eod = o.eod;
+  if (o.fim.enabled && !o.mock_data) {  // Megatron's GPTFIMDataset (the flags' errors were found at parse time)
+    PTK_ASSIGN_OR_RETURN(cfg.fim, MakeFimConfig(o.fim, o.vocab_file, o.merge_file));
+  }
   const bool middle = pipeline && pipeline->rank() > 0 && pipeline->rank() < pipeline->size() - 1;
   TrainingSplits s;
   if (!middle) {
