@@ -21,6 +21,12 @@ absl::Status CheckMixtralExportable(const GPTConfig& c, const std::string& file)
     why.push_back(
         "--moe-router-pre-softmax (Mixtral renormalises the top k's probabilities to sum to 1: Megatron's softmax "
         "after the top k)");
+  if (c.moe_router_topk_scaling_factor > 0)
+    why.push_back(fmt::format("--moe-router-topk-scaling-factor {} (Mixtral's probabilities are not scaled)",
+                              Num(c.moe_router_topk_scaling_factor)));
+  if (c.moe_router_group_topk > 0)
+    why.push_back(fmt::format("--moe-router-group-topk {} (Mixtral routes among all experts, not limited groups)",
+                              c.moe_router_group_topk));
   if (c.moe_layers() != c.num_layers) {
     std::string layers;
     for (int64_t l = 0; l < c.num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "", c.moe_layer(l) ? 1 : 0);

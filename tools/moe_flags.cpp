@@ -28,6 +28,20 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--moe-aux-loss-coeff", m.aux_loss_coeff,
                   "Weight of the switch load-balancing loss (default 0: none); logged as load_balancing_loss")
       ->check(NonNegative());
+  app->add_option("--moe-z-loss-coeff", m.z_loss_coeff,
+                  "Weight of the router z-loss (the tokens' mean of logsumexp(logits)^2; default none); logged as "
+                  "z_loss")
+      ->check(NonNegative());
+  app->add_option("--moe-router-topk-scaling-factor", m.topk_scaling_factor,
+                  "The chosen experts' probabilities times this factor (default none)")
+      ->check(NonNegative());
+  app->add_option("--moe-router-num-groups", m.num_groups,
+                  "Group-limited routing: the experts in this many equal groups (with --moe-router-group-topk)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--moe-router-group-topk", m.group_topk,
+                  "Group-limited routing: each token's experts chosen among this many groups, those whose "
+                  "topk / group-topk largest scores add up to the most")
+      ->check(IntIn(1, kMaxSize));
   app->add_option("--moe-router-load-balancing-type", m.load_balancing_type,
                   "aux_loss (the default: the switch load-balancing loss, weighted by --moe-aux-loss-coeff) or none");
   app->add_option("--moe-router-score-function", m.score_function,
@@ -125,13 +139,44 @@ absl::Status ResolveLayerFreq(const std::string& freq, int64_t layers, std::vect
     if (v != 0 && v != 1) return UsageError(fmt::format("{}: entry {}: 1 (MoE) or 0 (dense)", flag, v));
   return absl::OkStatus();
 }
+// The z-loss, the top-k scaling factor and group-limited routing, with Megatron's checks of them.
+absl::Status ResolveRouterExtras(const TrainFlags::Moe& m, GPTConfig* model, std::vector<std::string>* notes) {
+  model->moe_z_loss_coeff = m.z_loss_coeff.value_or(0.0);
+  if (m.z_loss_coeff == 0.0)
+    notes->push_back(
+        "--moe-z-loss-coeff 0: no z-loss (Megatron computes a zero one and logs z_loss as 0/0, NaN; ptk logs none)");
+  model->moe_router_topk_scaling_factor = m.topk_scaling_factor.value_or(0.0);
+  if (m.topk_scaling_factor == 0.0)
+    notes->push_back("--moe-router-topk-scaling-factor 0: no scaling (Megatron's `if scaling_factor` is false)");
+  if (!m.group_topk) {
+    if (m.num_groups)
+      notes->push_back(
+          fmt::format("--moe-router-num-groups {}: accepted, no effect without --moe-router-group-topk (as Megatron)",
+                      *m.num_groups));
+    return absl::OkStatus();
+  }
+  const std::string flags = fmt::format("--moe-router-group-topk {}", *m.group_topk);
+  if (!m.num_groups) return UsageError(flags + " needs --moe-router-num-groups (as Megatron's TransformerConfig)");
+  const int64_t E = model->num_experts, G = *m.num_groups, g = *m.group_topk, K = model->moe_router_topk;
+  if (E % G != 0) return UsageError(fmt::format("--moe-router-num-groups {} does not divide --num-experts {}", G, E));
+  if (g > G) return UsageError(fmt::format("{} is more than --moe-router-num-groups {}", flags, G));
+  if (K < g || K > g * (E / G))
+    return UsageError(fmt::format(
+        "{} with --moe-router-topk {} and {} groups of {} experts: each chosen group's score is the sum of its "
+        "topk / group-topk largest (at least 1, at most a group), and the chosen groups must hold topk experts "
+        "(else Megatron picks masked -inf ones)",
+        flags, K, G, E / G));
+  model->moe_router_num_groups = G;
+  model->moe_router_group_topk = g;
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
   const TrainFlags::Moe& m = f.moe;
   if (m.num_experts == 0) {
     if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
-        !m.router_dtype.empty())
+        !m.router_dtype.empty() || m.z_loss_coeff || m.topk_scaling_factor || m.num_groups || m.group_topk)
       notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
     return absl::OkStatus();
   }
@@ -169,6 +214,7 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
   if (none && coeff > 0)
     notes->push_back(
         "--moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type none (as Megatron)");
+  PTK_RETURN_IF_ERROR(ResolveRouterExtras(m, model, notes));
   PTK_RETURN_IF_ERROR(ResolveLayerFreq(m.layer_freq, model->num_layers, &model->moe_layer_pattern));
   if (!model->moe_layer_pattern.empty() && model->moe_layers() == 0)
     return UsageError("--moe-layer-freq " + m.layer_freq +
@@ -230,6 +276,11 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   const TrainFlags::Moe& m = f.moe;
   const bool aux = !m.aux_loss_coeff.empty() && m.aux_loss_coeff[0] > 0 &&
                    (m.load_balancing_type.empty() || m.load_balancing_type[0] != "none");
+  if (m.z_loss_coeff.value_or(0) > 0 && f.context_parallel_size > 1)
+    return UsageError(fmt::format(
+        "--moe-z-loss-coeff with --context-parallel-size {}: Megatron divides the z-loss's coefficient by the context "
+        "ranks and logs each rank's own; ptk has not checked that against Megatron and refuses it",
+        f.context_parallel_size));
   if (aux && f.context_parallel_size > 1 && f.options.optimizer.calculate_per_token_loss)
     return UsageError(fmt::format(
         "{} with --context-parallel-size {} and --calculate-per-token-loss: Megatron scales each context rank's "

@@ -155,6 +155,18 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       *field = v;
     }
   if (flag == "--moe-layer-freq") f->moe.layer_freq = value;  // its written pattern, "[1,0,1]"
+  if (flag == "--moe-router-topk-scaling-factor") {           // empty: none
+    double v = 0;
+    if (!value.empty()) PTK_RETURN_IF_ERROR(as_real(&v));
+    f->moe.topk_scaling_factor = value.empty() ? std::nullopt : std::optional<double>(v);
+  }
+  for (auto [name, field] :
+       {std::pair{"--moe-router-num-groups", &f->moe.num_groups}, {"--moe-router-group-topk", &f->moe.group_topk}})
+    if (flag == name) {  // empty: no group-limited routing
+      int64_t v = 0;
+      if (!value.empty()) PTK_RETURN_IF_ERROR(as_int(&v));
+      *field = value.empty() ? std::nullopt : std::optional<int64_t>(v);
+    }
   if (flag == "--moe-router-score-function") {
     if (value != "softmax" && value != "sigmoid") return bad();
     f->moe.score_function = value;

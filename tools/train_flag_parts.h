@@ -66,6 +66,9 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--moe-router-pre-softmax",
     "--moe-router-score-function",
     "--moe-layer-freq",
+    "--moe-router-topk-scaling-factor",
+    "--moe-router-num-groups",
+    "--moe-router-group-topk",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
 // one the command line gives. The others (Megatron's shape flags, which it takes only where the
@@ -88,6 +91,7 @@ inline constexpr const char* kCheckpointForcedFlags[] = {
     "--moe-router-pre-softmax",
     "--moe-router-score-function",
     "--moe-layer-freq",
+    "--moe-router-topk-scaling-factor",
 };
 
 // Megatron's flags for other models than ptk's, each declared to be refused by RefuseOtherModel

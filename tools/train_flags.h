@@ -88,6 +88,8 @@ struct TrainFlags {
   struct Moe {
     int64_t num_experts = 0;  // 0: no --num-experts
     std::optional<int64_t> topk, ffn;
+    std::optional<int64_t> num_groups, group_topk;  // group-limited routing
+    std::optional<double> z_loss_coeff, topk_scaling_factor;
     std::vector<double> aux_loss_coeff;
     std::vector<std::string> load_balancing_type;
     std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;

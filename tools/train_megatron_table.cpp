@@ -133,8 +133,8 @@ constexpr Group kGroups[] = {
     {false, "no tokenizer model is read from the checkpoint (ptk-train reads GPT-2 BPE data)",
      "--disable-use-tokenizer-model-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args"},
     {true, "this mixture-of-experts feature is not implemented: ptk's MoE is dropless top-k routing with softmax "
-           "scores (no capacity, expert bias, z-loss, jitter, groups or scaling), SequentialMLP experts without "
-           "shared experts, aux_loss or none, one expert-parallel rank",
+           "or sigmoid scores (no capacity, expert bias or jitter), SequentialMLP experts without "
+           "shared experts, aux_loss or none",
      "--ep-overlap-early-attn-memory-release "
      "--expert-tensor-parallel-size= --moe-apply-probs-on-input "
      "--moe-deepep-num-sms= --moe-enable-deepep --moe-enable-routing-replay "
@@ -144,12 +144,11 @@ constexpr Group kGroups[] = {
      "--moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference "
      "--moe-router-bias-update-rate= "
      "--moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion "
-     "--moe-router-group-topk= --moe-router-num-groups= "
      "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "
-     "--moe-router-topk-scaling-factor= --moe-shared-expert-gate "
+     "--moe-shared-expert-gate "
      "--moe-shared-expert-intermediate-size= --moe-shared-expert-overlap "
      "--moe-token-drop-policy= --moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
-     "--moe-use-upcycling --moe-z-loss-coeff= --overlap-moe-expert-parallel-comm "
+     "--moe-use-upcycling --overlap-moe-expert-parallel-comm "
      "--use-fused-weighted-squared-relu"},
     {true, "multi-latent attention is not implemented",
      "--kv-lora-rank= --mscale= --mscale-all-dim= --q-lora-rank= --qk-head-dim= --qk-pos-emb-head-dim= "

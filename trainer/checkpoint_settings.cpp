@@ -162,6 +162,11 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("moe_router_pre_softmax", c.moe_router_pre_softmax)
         .Field("moe_router_score_function", std::string(c.moe_router_sigmoid ? "sigmoid" : "softmax"))
         .Field("moe_layer_freq", "[" + layers + "]");
+    // The routing's variants only where set (a checkpoint without them reads as before).
+    if (c.moe_router_topk_scaling_factor > 0)
+      w.Field("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
+    if (c.moe_router_group_topk > 0)
+      w.Field("moe_router_num_groups", c.moe_router_num_groups).Field("moe_router_group_topk", c.moe_router_group_topk);
   }
   return w.EndObject().str();
 }

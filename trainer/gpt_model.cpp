@@ -118,6 +118,7 @@ absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double l
   deferred_.loss_sum += s.loss_sum;
   deferred_.tokens += s.tokens;
   deferred_.load_balancing_loss += s.load_balancing_loss;
+  deferred_.z_loss += s.z_loss;
   return absl::OkStatus();
 }
 
@@ -206,6 +207,7 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
   deferred_.loss_sum += l.loss_sum;
   deferred_.tokens += l.tokens;
   deferred_.load_balancing_loss += l.load_balancing_loss;
+  deferred_.z_loss += l.z_loss;
   return LossSum{};
 }
 

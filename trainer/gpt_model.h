@@ -40,6 +40,9 @@ struct LossSum {
   // Training passes with a load-balancing loss (GPTConfig::moe_aux_loss_coeff > 0): the sum over the
   // mixture-of-experts layers of each one's loss without its coefficient (what Megatron's tracker adds).
   double load_balancing_loss = 0;
+  // Training passes with a router z-loss (GPTConfig::moe_z_loss_coeff > 0): the sum over the MoE layers of
+  // each one's z-loss without its coefficient (what Megatron's tracker adds as z_loss).
+  double z_loss = 0;
 };
 
 enum class Device { kCpu, kCuda };

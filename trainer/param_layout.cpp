@@ -80,6 +80,25 @@ absl::Status GPTConfig::ValidateMoe() const {
     return bad(fmt::format("moe_ffn_hidden_size {}: must be at least 1 (or 0: ffn_hidden_size)", moe_ffn_hidden_size));
   if (!(moe_aux_loss_coeff >= 0 && std::isfinite(moe_aux_loss_coeff)))
     return bad(fmt::format("moe_aux_loss_coeff {}: must be at least 0", moe_aux_loss_coeff));
+  if (!(moe_z_loss_coeff >= 0 && std::isfinite(moe_z_loss_coeff)))
+    return bad(fmt::format("moe_z_loss_coeff {}: must be at least 0", moe_z_loss_coeff));
+  if (!(moe_router_topk_scaling_factor >= 0 && std::isfinite(moe_router_topk_scaling_factor)))
+    return bad(
+        fmt::format("moe_router_topk_scaling_factor {}: must be above 0 (or 0: none)", moe_router_topk_scaling_factor));
+  if (moe_router_group_topk != 0) {  // Megatron's checks, and what leaves its top-k without ties of -inf
+    const int64_t G = moe_router_num_groups, g = moe_router_group_topk;
+    if (G < 1 || num_experts % G != 0 || g < 1 || g > G)
+      return bad(
+          fmt::format("moe_router_num_groups {} / moe_router_group_topk {}: the groups must divide num_experts "
+                      "{} and the chosen groups be at most the groups",
+                      G, g, num_experts));
+    if (moe_router_topk < g || moe_router_topk > g * (num_experts / G))
+      return bad(
+          fmt::format("moe_router_topk {} with moe_router_group_topk {} of {} groups of {} experts: each chosen "
+                      "group gives topk / group_topk (at least 1) experts to its score, and the chosen groups "
+                      "hold at least topk experts",
+                      moe_router_topk, g, G, num_experts / G));
+  }
   if (!moe_layer_pattern.empty() && static_cast<int64_t>(moe_layer_pattern.size()) != num_layers)
     return bad(fmt::format("moe_layer_freq has {} entries for num_layers {}: one per layer", moe_layer_pattern.size(),
                            num_layers));

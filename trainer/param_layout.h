@@ -87,6 +87,12 @@ struct GPTConfig {
   bool moe_router_sigmoid = false;
   double moe_aux_loss_coeff = 0;
   std::vector<int> moe_layer_pattern;
+  // --moe-z-loss-coeff (0: none): the router z-loss's weight (a training setting, as the aux loss's).
+  double moe_z_loss_coeff = 0;
+  // --moe-router-topk-scaling-factor (0: none): the chosen experts' probabilities times it.
+  double moe_router_topk_scaling_factor = 0;
+  // Group-limited routing (--moe-router-num-groups, --moe-router-group-topk; group topk 0: none).
+  int64_t moe_router_num_groups = 0, moe_router_group_topk = 0;
 
   absl::Status Validate() const;
   absl::Status ValidateMoe() const;  // the mixture-of-experts settings (Validate's last part)

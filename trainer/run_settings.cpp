@@ -135,6 +135,11 @@ Settings MoeSettingsOf(const GPTConfig& m) {
       {"--moe-router-score-function", m.moe_router_sigmoid ? "sigmoid" : "softmax"},
       {"--moe-aux-loss-coeff", Num(m.moe_aux_loss_coeff)},
       {"--moe-layer-freq", layers + "]"},
+      {"--moe-z-loss-coeff", m.moe_z_loss_coeff > 0 ? Num(m.moe_z_loss_coeff) : ""},
+      {"--moe-router-topk-scaling-factor",
+       m.moe_router_topk_scaling_factor > 0 ? Num(m.moe_router_topk_scaling_factor) : ""},
+      {"--moe-router-num-groups", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_num_groups) : ""},
+      {"--moe-router-group-topk", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_group_topk) : ""},
   };
 }
 

@@ -82,7 +82,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-backward", 1));
-  double local[3] = {0, 0, 0};
+  double local[4] = {0, 0, 0, 0};
   const bool overlap = !buckets_.empty();
   PTK_ASSIGN_OR_RETURN(const std::vector<double> scale_of, LossScales(micro_batches));
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
@@ -100,11 +100,12 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   local[0] = losses.loss_sum;
   local[1] = losses.tokens;
   local[2] = losses.load_balancing_loss;
+  local[3] = comm_->rank() == comm_->size() - 1 ? losses.z_loss : 0.0;  // the last data rank's (Megatron's)
   PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
-  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 3));
+  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 4));
   // Pipeline parallelism: the last stage's loss to every stage (the others add zeros), and the stages'
   // load-balancing losses added up (Megatron's reduce_aux_losses_tracker_across_ranks: over the pipeline group).
-  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 3));
+  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 4));
   r.loss_sum = local[0];
   r.tokens = local[1];
   // Megatron's track_moe_metrics: each layer's sum over the micro-batches over their number,
@@ -114,6 +115,8 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     r.load_balancing_loss = local[2] / (static_cast<double>(micro_batches.size()) * (comm_->size() / context) *
                                         static_cast<double>(cf.moe_layers()));
   }
+  if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_z_loss_coeff > 0)
+    r.z_loss = local[3] / (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers()));
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
   PTK_RETURN_IF_ERROR(MeasureGrads(&r));
   return r;

@@ -83,6 +83,10 @@ struct StepResult {
   // Mixture of experts with a load-balancing loss: Megatron's logged load_balancing_loss (the layers'
   // mean of each one's loss without its coefficient, over the micro-batches and data ranks); 0 otherwise.
   double load_balancing_loss = 0;
+  // With a router z-loss: Megatron's logged z_loss (the layers' mean of each one's z-loss without its coefficient,
+  // over the micro-batches, summed over the stages and, as Megatron's tracker reduces it over no other group,
+  // the last data rank's, which prints Megatron's log); 0 otherwise.
+  double z_loss = 0;
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 

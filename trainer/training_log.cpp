@@ -297,6 +297,7 @@ std::string Timestamp() {
 void LogInterval::Add(const StepResult& r) {
   ++iters_;
   load_balancing_ += r.load_balancing_loss;  // Megatron's track_moe_metrics adds every iteration's, skipped or not
+  z_loss_ += r.z_loss;
   if (r.skipped) {
     ++skipped_;
     if (!r.overflow) ++nan_;
@@ -322,6 +323,7 @@ void LogInterval::Fill(const StepResult& r, double flops, int world, bool throug
   if (throughput) f->tflops_per_gpu = flops / (secs / iters * 1e12 * world);
   f->lm_loss = advanced_ > 0 ? loss_ / static_cast<double>(advanced_) : 0.0;
   f->load_balancing_loss = load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
+  f->z_loss = z_loss_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->skipped = skipped_;
   f->nan = nan_;
   if (!r.skipped) f->grad_norm = r.grad_norm;
@@ -332,7 +334,7 @@ void LogInterval::Fill(const StepResult& r, double flops, int world, bool throug
 void LogInterval::Logged(int64_t iteration, Clock::time_point now) {
   if (Resets(iteration)) {
     iters_ = advanced_ = skipped_ = nan_ = 0;
-    loss_ = paused_seconds_ = load_balancing_ = 0;
+    loss_ = paused_seconds_ = load_balancing_ = z_loss_ = 0;
     start_ = now;
   }
   logged_ = true;
@@ -371,6 +373,8 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
   s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
   if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
+  // Megatron's tracker order: the router saves its z-loss before its load-balancing loss.
+  if (f.z_loss > 0.0) s += fmt::format(" z_loss: {:.6E} |", f.z_loss);
   if (f.load_balancing_loss > 0.0) s += fmt::format(" load_balancing_loss: {:.6E} |", f.load_balancing_loss);
   s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
   if (f.grad_norm) s += fmt::format(" grad norm: {:.3f} |", *f.grad_norm);

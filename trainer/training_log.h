@@ -159,7 +159,7 @@ class LogInterval {
   double loss_ = 0;  // over the iterations that advanced
   // Mixture of experts: the iterations' load_balancing_loss, each added (as Megatron's total_loss_dict), the
   // sum shown over the iterations that advanced.
-  double load_balancing_ = 0;
+  double load_balancing_ = 0, z_loss_ = 0;  // z_loss likewise
 };
 
 // Pauses a LogInterval's clock for its lifetime.

@@ -75,7 +75,9 @@ absl::Status Trainer::Log(const StepResult& r) {
     if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
     if (params_norm) TensorBoardScalar("params-norm", *params_norm);
   }
-  // Megatron's track_moe_metrics writes it at every iteration (not every --tensorboard-log-interval).
+  // Megatron's track_moe_metrics writes them at every iteration (not every --tensorboard-log-interval), in its
+  // tracker's order (the router saves its z-loss first).
+  if (outputs_.tb && o_.model.moe() && o_.model.moe_z_loss_coeff > 0) TensorBoardScalar("z_loss", r.z_loss);
   if (outputs_.tb && o_.model.moe() && o_.model.moe_aux_loss_coeff > 0)
     TensorBoardScalar("load_balancing_loss", r.load_balancing_loss);
   if (!interval_.Due(state_.iteration)) return absl::OkStatus();

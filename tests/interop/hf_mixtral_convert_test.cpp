@@ -120,6 +120,13 @@ TEST(HfMixtral, WhatMixtralCannotComputeIsRefusedNamingIt) {
   const Case cases[] = {
       {[](GPTConfig* c) { c->moe_router_pre_softmax = true; }, "--moe-router-pre-softmax (Mixtral renormalises"},
       {[](GPTConfig* c) { c->moe_router_sigmoid = true; }, "--moe-router-score-function sigmoid"},
+      {[](GPTConfig* c) { c->moe_router_topk_scaling_factor = 2.5; },
+       "--moe-router-topk-scaling-factor 2.5 (Mixtral's probabilities are not scaled)"},
+      {[](GPTConfig* c) {
+         c->moe_router_num_groups = 2;
+         c->moe_router_group_topk = 1;
+       },
+       "--moe-router-group-topk 1 (Mixtral routes among all experts"},
       {[](GPTConfig* c) {
          c->moe_layer_pattern = {0, 1};
        },

@@ -14,7 +14,14 @@ as megatron-core's schedules do. Written: the initial weights (init:NAME), the f
 training_log computes it (the tracker's per-layer sums x 1 / micro-batches, summed over the layers, over
 the MoE layers).
 
-Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_moe_golden.py tests/data/trainer
+The router's options: the z-loss (z_loss, logged as the load-balancing loss is), the top-k scaling factor and
+group-limited routing.
+
+moe_gelu, moe_swiglu, moe_sigmoid and moe_per_token were written before the router's options and are kept
+as they were (rewritten, their fp32 gradients differ in the last bits, up to 7e-3 relative in the smallest
+ones); their files lack the options' keys, which the test reads as Megatron's defaults.
+
+Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_moe_golden.py tests/data/trainer [NAME ...]
 """
 import json
 import os
@@ -45,7 +52,34 @@ GOLDENS = {
     # the gradients over the global batch's loss tokens) and a quarter of the tokens masked.
     "moe_per_token": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
                           moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], calculate_per_token_loss=True),
+    # moe_gelu's model with the router z-loss (its coefficient large enough that the routers' gradients show it).
+    "moe_zloss": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                      moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], moe_z_loss_coeff=0.1),
+    # The z-loss with --calculate-per-token-loss (its gradient x the micro-batch's tokens) and masked tokens.
+    "moe_zloss_per_token": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                                moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], moe_z_loss_coeff=0.1,
+                                calculate_per_token_loss=True),
+    # Group-limited routing and the top-k scaling factor: 8 experts in 4 groups, 2 groups chosen by their best
+    # expert, top-2 of those after the softmax over all (pre-softmax), the probabilities x 2.5; every layer MoE.
+    "moe_groups": dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05,
+                       swiglu=False, moe_router_pre_softmax=True, moe_layer_freq=1, moe_router_num_groups=4,
+                       moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5),
+    # The same groups after the top-k's softmax over the logits (the groups chosen by the logits), with the
+    # z-loss; MoE, dense, MoE layers. (With MoE, MoE, dense layers one element of an expert's fc2 gradient is
+    # below Adam's eps, 1e-8: its first update, g / (|g| + eps), turns fp32's last bits into 1.6e-3 of the
+    # tensor, beyond the weights' 1e-4.)
+    "moe_groups_softmax": dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05,
+                               swiglu=False, moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1],
+                               moe_router_num_groups=4, moe_router_group_topk=2, moe_z_loss_coeff=0.01),
+    # Sigmoid scores in the same groups, top-4 (each group scored by its two) x 1.5, SwiGLU experts.
+    "moe_groups_sigmoid": dict(num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.05,
+                               swiglu=True, moe_router_pre_softmax=False, moe_layer_freq=[0, 1, 1],
+                               moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
+                               moe_router_topk_scaling_factor=1.5),
 }
+# Megatron's defaults of the router's options the goldens above leave out.
+ROUTER_DEFAULTS = dict(moe_z_loss_coeff=None, moe_router_topk_scaling_factor=None, moe_router_num_groups=None,
+                       moe_router_group_topk=None)
 
 
 def build(torch, g):
@@ -56,7 +90,8 @@ def build(torch, g):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
-    c = dict(COMMON, **g)
+    c = dict(COMMON, **ROUTER_DEFAULTS)
+    c.update(g)
     cfg = TransformerConfig(
         num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         ffn_hidden_size=c["ffn_hidden_size"], use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
@@ -68,7 +103,9 @@ def build(torch, g):
         moe_router_pre_softmax=c["moe_router_pre_softmax"], moe_token_dispatcher_type="allgather",
         moe_router_score_function=c["moe_router_score_function"],
         calculate_per_token_loss=c["calculate_per_token_loss"],
-        moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32")
+        moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32",
+        moe_z_loss_coeff=c["moe_z_loss_coeff"], moe_router_topk_scaling_factor=c["moe_router_topk_scaling_factor"],
+        moe_router_num_groups=c["moe_router_num_groups"], moe_router_group_topk=c["moe_router_group_topk"])
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
                    max_sequence_length=c["max_position_embeddings"], position_embedding_type="learned_absolute",
@@ -90,6 +127,7 @@ def run(torch, name, g, out_dir):
     from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)
     torch.manual_seed(1234)
+    get_moe_layer_wise_logging_tracker().clear()  # a fresh run's: its entries in the order its layers save them
     c, gpt, model, opt, sched = build(torch, g)
     blob = bytearray()
     tensors = {}
@@ -137,14 +175,18 @@ def run(torch, name, g, out_dir):
         ok, grad_norm, _ = opt.step()
         assert ok
         sched.step(increment=b * m)
-        values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+        tracker = get_moe_layer_wise_logging_tracker()
+        logged = {k: float((tracker[k]["values"] * (1.0 / m)).sum() / moe_layers) for k in tracker}
         steps.append({"lm_loss": lm, "grad_norm": float(grad_norm),
-                      "load_balancing_loss": float((values * (1.0 / m)).sum() / moe_layers)})
+                      "load_balancing_loss": logged["load_balancing_loss"], "z_loss": logged.get("z_loss", 0.0),
+                      "tracker_order": list(tracker)})
     for n, p in gpt.named_parameters():
         put("final:" + n, p.float())
     from megatron.core import package_info
     config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
     config["moe_ffn_hidden_size"] = c["moe_ffn_hidden_size"] or 0
+    for k in ROUTER_DEFAULTS:  # None: 0
+        config[k] = c[k] or 0
     config["moe_layer_pattern"] = (c["moe_layer_freq"] if isinstance(c["moe_layer_freq"], list)
                                    else [1 if i % c["moe_layer_freq"] == 0 else 0 for i in range(c["num_layers"])])
     meta = {"generator": "tests/support/gen_moe_golden.py", "megatron_core": package_info.__version__,
@@ -174,8 +216,9 @@ def main():
             moe_utils.te_general_gemm = None
         parallel_state.initialize_model_parallel(1, 1)
         mrandom.model_parallel_cuda_manual_seed(1234)
-        for name, g in GOLDENS.items():
-            run(torch, name, g, out_dir)
+        names = sys.argv[2:] or list(GOLDENS)  # some of them: the others' files stay as they are
+        for name in names:
+            run(torch, name, GOLDENS[name], out_dir)
         dist.destroy_process_group()
 
 

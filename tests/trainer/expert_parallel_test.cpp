@@ -137,7 +137,7 @@ TEST(ExpertParallelCpu, DispatchAndCombineComputeEachRanksLayerWithEveryExpert) 
     g.dw_router.assign(w_router.size(), 0.0f);
     g.dw_experts.assign(static_cast<size_t>(2 * ef), 0.0f);
     st = cpu::ExpertParallelBackward(g.dx.data(), g.dw_router.data(), g.dw_experts.data(), want[r].dout.data(), &mine,
-                                     &rows, want[r].x.data(), w_router.data(), w_local, c, s, 0.7, comm, &buf);
+                                     &rows, want[r].x.data(), w_router.data(), w_local, c, s, 0.7, 0.0, comm, &buf);
     ASSERT_TRUE(st.ok()) << st;
     std::lock_guard<std::mutex> lock(mu);
     got[r] = std::move(g);

@@ -3,7 +3,9 @@
 // optimizer and scheduler on the CPU): a GELU model with MoE, dense and MoE layers (top-2 of 4,
 // softmax after top-k), a SwiGLU one with every layer MoE (top-3, softmax before top-k) and a GELU one
 // routed by sigmoid scores (dense, MoE, MoE layers), and the first with --calculate-per-token-loss and a
-// quarter of the tokens masked, all with the load-balancing loss. The layout (Megatron's names,
+// quarter of the tokens masked, all with the load-balancing loss; the router's options: the z-loss (per
+// micro-batch and per token), group-limited routing (8 experts in 4 groups, softmax before and after the top
+// k, sigmoid) and the top-k scaling factor. The layout (Megatron's names,
 // shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
 // within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
@@ -50,6 +52,10 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     c.moe_aux_loss_coeff = g_.Num("moe_aux_loss_coeff");
     c.moe_router_sigmoid = g_.meta["config"]["moe_router_score_function"].get_string().value() == "sigmoid";
     for (auto v : g_.meta["config"]["moe_layer_pattern"].get_array()) c.moe_layer_pattern.push_back(int(int64_t(v)));
+    c.moe_z_loss_coeff = Config("moe_z_loss_coeff");
+    c.moe_router_topk_scaling_factor = Config("moe_router_topk_scaling_factor");
+    c.moe_router_num_groups = static_cast<int64_t>(Config("moe_router_num_groups"));
+    c.moe_router_group_topk = static_cast<int64_t>(Config("moe_router_group_topk"));
     config_ = c;
   }
   std::unique_ptr<CpuGPTModel> MakeModel() {
@@ -79,7 +85,15 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     return o;
   }
   int64_t GlobalBatch() { return g_.Int("micro_batch_size") * g_.Int("num_micro_batches"); }
-  double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
+  double Want(int64_t step, const char* key) {
+    double v = 0;  // 0 for a z_loss the goldens written before the router's options lack (they have none)
+    return g_.meta["steps"].at(step)[key].get(v) ? 0.0 : v;
+  }
+  // The router's options, which the goldens written before them lack (Megatron's defaults: none, 0 here).
+  double Config(const char* key) {
+    double v = 0;
+    return g_.meta["config"][key].get(v) ? 0.0 : v;
+  }
 
   Golden g_{GetParam()};
   GoldenBatches batches_{g_};
@@ -118,14 +132,39 @@ TEST_P(MoeGolden, TheFirstStepsGradientsMatchMegatron) {
   EXPECT_LE(std::abs(r->lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
   EXPECT_LE(std::abs(r->grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
   EXPECT_LE(std::abs(r->load_balancing_loss - Want(0, "load_balancing_loss")), 1e-6);
+  EXPECT_LE(std::abs(r->z_loss - Want(0, "z_loss")), 1e-6 * std::max(1.0, Want(0, "z_loss")));
   double worst = 0;
   for (const ParamInfo& p : model->params_info()) {
     const double e = RelError(model->grads() + p.offset, g_.Tensor<float>("grad:" + p.name));
     EXPECT_LE(e, 1e-5) << p.name;
     worst = std::max(worst, e);
   }
-  std::printf("loss %.9g (megatron %.9g), load_balancing_loss %.9g (megatron %.9g), largest gradient difference %.3g\n",
-              r->lm_loss(), Want(0, "lm_loss"), r->load_balancing_loss, Want(0, "load_balancing_loss"), worst);
+  std::printf(
+      "loss %.9g (megatron %.9g), load_balancing_loss %.9g (megatron %.9g), z_loss %.9g (megatron %.9g), largest "
+      "gradient difference %.3g\n",
+      r->lm_loss(), Want(0, "lm_loss"), r->load_balancing_loss, Want(0, "load_balancing_loss"), r->z_loss,
+      Want(0, "z_loss"), worst);
+}
+
+// Without the z-loss's gradient the routers' gradients differ from Megatron's (the comparison above sees it);
+// the log line puts z_loss where Megatron's tracker has it, before load_balancing_loss.
+TEST_P(MoeGolden, TheRoutersGradientHoldsTheZLoss) {
+  if (config_.moe_z_loss_coeff == 0) GTEST_SKIP() << "no z-loss in " << GetParam();
+  std::vector<std::string> order;
+  for (auto k : g_.meta["steps"].at(0)["tracker_order"].get_array()) order.emplace_back(k.get_string().value());
+  EXPECT_EQ(order, (std::vector<std::string>{"z_loss", "load_balancing_loss"}));
+  config_.moe_z_loss_coeff = 0;
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  auto r = step.ComputeGradients(batches_.Step(0), 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->z_loss, 0.0);
+  int64_t first = 0;
+  while (!config_.moe_layer(first)) ++first;
+  const ParamInfo* router = model->FindParam(fmt::format("decoder.layers.{}.mlp.router.weight", first));
+  ASSERT_NE(router, nullptr);
+  EXPECT_GT(RelError(model->grads() + router->offset, g_.Tensor<float>("grad:" + router->name)), 1e-4);
 }
 
 // Without the load-balancing loss's gradient the router's gradients differ from Megatron's: the
@@ -157,6 +196,7 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
     EXPECT_LE(std::abs(r->load_balancing_loss - Want(s, "load_balancing_loss")), 1e-5) << "step " << s;
+    EXPECT_LE(std::abs(r->z_loss - Want(s, "z_loss")), 1e-5 * std::max(1.0, Want(s, "z_loss"))) << "step " << s;
   }
   for (const ParamInfo& p : model->params_info())
     EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4)
@@ -209,7 +249,9 @@ TEST(MoeModel, EachStageHoldsItsLayersExpertsAsTheDryRunCounts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
-                         ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token"));
+                         ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token", "moe_zloss",
+                                           "moe_zloss_per_token", "moe_groups", "moe_groups_softmax",
+                                           "moe_groups_sigmoid"));
 
 }  // namespace
 }  // namespace ptk

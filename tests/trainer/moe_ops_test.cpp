@@ -2,7 +2,9 @@
 // (top-k, the probabilities of both softmax orders, each expert's rows in token order), the
 // load-balancing loss against Megatron's formula, and the backward of the router, dispatch,
 // experts and combine (with the load-balancing loss's gradient) against central finite
-// differences in double precision.
+// differences in double precision; the router z-loss, the top-k scaling factor and group-limited routing
+// likewise.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -72,8 +74,9 @@ TEST(MoeOps, RoutingFollowsItsDefinition) {
   }
 }
 
-// sum(out * r) + aux_weight * load-balancing loss: the layer's gradients against finite differences.
-void CheckLayerGradients(MoeSettings s, double aux_weight) {
+// sum(out * r) + aux_weight * load-balancing loss + z_weight * z-loss: the layer's gradients against finite
+// differences.
+void CheckLayerGradients(MoeSettings s, double aux_weight, double z_weight = 0) {
   const int64_t n = 7, c = 5;
   auto x = Random(n * c, 11), wr = Random(s.experts * c, 12, 0.5), we = Random(s.experts * s.expert_floats(c), 13, 0.5),
        r = Random(n * c, 14);
@@ -82,11 +85,12 @@ void CheckLayerGradients(MoeSettings s, double aux_weight) {
   auto objective = [&] {
     cpu::MoeRouterForward(&a, x.data(), wr.data(), n, c, s);
     cpu::MoeExpertsForward(out.data(), &a, we.data(), c, s);
-    return Dot(out, r) + aux_weight * cpu::MoeAuxLoss(a, s);
+    return Dot(out, r) + aux_weight * cpu::MoeAuxLoss(a, s) + z_weight * cpu::MoeZLoss(a, s);
   };
   objective();
   std::vector<double> dx(n * c, 0), dwr(wr.size(), 0), dwe(we.size(), 0);
-  cpu::MoeBackward(dx.data(), dwr.data(), dwe.data(), r.data(), &a, x.data(), wr.data(), we.data(), c, s, aux_weight);
+  cpu::MoeBackward(dx.data(), dwr.data(), dwe.data(), r.data(), &a, x.data(), wr.data(), we.data(), c, s, aux_weight,
+                   z_weight);
   CheckGradient(x, dx, objective, "dx", 1e-5);
   CheckGradient(wr, dwr, objective, "dw_router", 1e-5);
   CheckGradient(we, dwe, objective, "dw_experts", 1e-5);
@@ -109,6 +113,108 @@ TEST(MoeOps, GradientsMatchFiniteDifferences) {
         CheckLayerGradients(s, 0.0);
         CheckLayerGradients(s, 0.37);
       }
+}
+
+// The z-loss: its value against the definition, and its gradient (alone and with the others, in every
+// score function) against finite differences.
+TEST(MoeOps, TheZLossAndItsGradientFollowTheirDefinition) {
+  const int64_t n = 6, c = 3;
+  MoeSettings s;
+  s.experts = 5;
+  s.topk = 2;
+  s.ffn = 2;
+  auto x = Random(n * c, 21), w = Random(s.experts * c, 22);
+  MoeActivations<double> a;
+  cpu::MoeRouterForward(&a, x.data(), w.data(), n, c, s);
+  double expect = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double all = 0;
+    for (int64_t e = 0; e < s.experts; ++e) all += std::exp(a.logits[i * s.experts + e]);
+    expect += std::log(all) * std::log(all) / n;
+  }
+  EXPECT_NEAR(cpu::MoeZLoss(a, s), expect, 1e-13);
+  for (int score : {0, 1, 2}) {
+    s.pre_softmax = score == 1;
+    s.sigmoid = score == 2;
+    SCOPED_TRACE(::testing::Message() << "score " << score);
+    CheckLayerGradients(s, 0.0, 0.83);
+    CheckLayerGradients(s, 0.37, 0.83);
+  }
+}
+
+// The top-k scaling factor multiplies the probabilities (and the experts' outputs), and its backward holds.
+TEST(MoeOps, TheScalingFactorScalesTheProbabilities) {
+  const int64_t n = 5, c = 3;
+  MoeSettings s;
+  s.experts = 4;
+  s.ffn = 2;
+  auto x = Random(n * c, 31), w = Random(s.experts * c, 32);
+  for (int score : {0, 1, 2})
+    for (int64_t k : {1, 2, 3}) {
+      s.pre_softmax = score == 1;
+      s.sigmoid = score == 2;
+      s.topk = k;
+      SCOPED_TRACE(::testing::Message() << "score " << score << " topk " << k);
+      MoeActivations<double> plain, scaled;
+      s.scaling = 0;
+      cpu::MoeRouterForward(&plain, x.data(), w.data(), n, c, s);
+      s.scaling = 2.5;
+      cpu::MoeRouterForward(&scaled, x.data(), w.data(), n, c, s);
+      EXPECT_EQ(scaled.expert, plain.expert);
+      for (size_t i = 0; i < plain.prob.size(); ++i) EXPECT_NEAR(scaled.prob[i], 2.5 * plain.prob[i], 1e-14);
+      CheckLayerGradients(s, 0.37, 0.5);
+    }
+}
+
+// Group-limited routing against a brute force of Megatron's group_limited_topk: the groups of the largest
+// sums of their topk / group_topk best scores, the top k within them; the load-balancing loss counts the
+// plain top k; gradients by finite differences.
+TEST(MoeOps, GroupLimitedRoutingChoosesWithinTheBestGroups) {
+  const int64_t n = 9, c = 4;
+  MoeSettings s;
+  s.experts = 8;
+  s.ffn = 2;
+  s.groups = 4;
+  auto x = Random(n * c, 41), w = Random(s.experts * c, 42, 2.0);
+  for (int score : {0, 1, 2})
+    for (auto [k, g] : {std::pair<int64_t, int64_t>{2, 2}, {2, 1}, {4, 2}, {3, 3}}) {
+      s.pre_softmax = score == 1;
+      s.sigmoid = score == 2;
+      s.topk = k;
+      s.group_topk = g;
+      SCOPED_TRACE(::testing::Message() << "score " << score << " topk " << k << " group topk " << g);
+      MoeActivations<double> a;
+      cpu::MoeRouterForward(&a, x.data(), w.data(), n, c, s);
+      std::vector<double> plain(s.experts, 0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        // The routing scores: the logits (softmax after top-k), the softmax (before), the sigmoids.
+        std::vector<double> v(a.logits.begin() + i * s.experts, a.logits.begin() + (i + 1) * s.experts);
+        if (score == 1) v.assign(a.scores.begin() + i * s.experts, a.scores.begin() + (i + 1) * s.experts);
+        if (score == 2) v.assign(a.gates.begin() + i * s.experts, a.gates.begin() + (i + 1) * s.experts);
+        const int64_t per = s.experts / s.groups;
+        std::vector<std::pair<double, int64_t>> groups;
+        for (int64_t q = 0; q < s.groups; ++q) {
+          std::vector<double> in(v.begin() + q * per, v.begin() + (q + 1) * per);
+          std::sort(in.rbegin(), in.rend());
+          double sum = 0;
+          for (int64_t t = 0; t < k / g; ++t) sum += in[t];
+          groups.push_back({sum, q});
+        }
+        std::sort(groups.rbegin(), groups.rend());
+        std::vector<std::pair<double, int64_t>> allowed;
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t e = groups[j].second * per; e < (groups[j].second + 1) * per; ++e) allowed.push_back({v[e], e});
+        std::sort(allowed.rbegin(), allowed.rend());
+        for (int64_t j = 0; j < k; ++j) EXPECT_EQ(a.expert[i * k + j], allowed[j].second) << "token " << i;
+        std::vector<std::pair<double, int64_t>> all;
+        for (int64_t e = 0; e < s.experts; ++e) all.push_back({a.scores[i * s.experts + e], e});
+        std::sort(all.rbegin(), all.rend());
+        for (int64_t j = 0; j < k; ++j) plain[all[j].second] += 1;
+      }
+      for (int64_t e = 0; e < s.experts; ++e) EXPECT_EQ(a.AuxCount(e), plain[e]) << "expert " << e;
+      EXPECT_EQ(a.AuxTokens(), static_cast<double>(n));
+      CheckLayerGradients(s, 0.37, 0.5);
+    }
 }
 
 // An expert no token chose (its rows empty) gets no gradient, and the others still add up.

@@ -170,12 +170,63 @@ TEST_F(MoeTrainCli, AStoppedRunResumesBitForBitAndOtherMoeFlagsAreAnotherModel) 
                            "--use-checkpoint-args: --moe-router-pre-softmax off from the checkpoint",
                            "--use-checkpoint-args: --moe-layer-freq [1,0] from the checkpoint"})
     EXPECT_NE(taken.output.find(note), std::string::npos) << note << "\n" << taken.output;
-  for (const char* other : {"--moe-layer-freq 1", "--moe-layer-freq 2 --moe-router-topk 1",
-                            "--moe-layer-freq 2 --moe-router-pre-softmax"}) {
+  for (const char* other :
+       {"--moe-layer-freq 1", "--moe-layer-freq 2 --moe-router-topk 1", "--moe-layer-freq 2 --moe-router-pre-softmax",
+        "--moe-layer-freq 2 --moe-router-topk-scaling-factor 2",
+        "--moe-layer-freq 2 --moe-router-num-groups 2 --moe-router-group-topk 1"}) {
     auto r = RunCmd(Train(std::string(other) + " --load " + ShellQuote(dir_ / "ck")));
     EXPECT_NE(r.exit_code, 0) << other;
     EXPECT_NE(r.output.find("the checkpoint is of another model"), std::string::npos) << other << "\n" << r.output;
   }
+}
+
+// The router's options end to end: the log line's z_loss before load_balancing_loss (Megatron's tracker order)
+// with a plausible value, a bitwise resume, the routing's settings another model to a --load
+// without them, and --use-checkpoint-args taking them (the scaling factor over the command line's, as Megatron's
+// force=True; the groups where left out, given otherwise refused).
+TEST_F(MoeTrainCli, TheRoutersOptionsTrainLogResumeAndAreTheCheckpointsModel) {
+  const std::string router =
+      " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2 "
+      "--moe-router-group-topk 1";
+  auto whole = RunCmd(Train(router + " --save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  const std::regex line(R"(\| lm loss: \S+ \| z_loss: (\S+) \| load_balancing_loss: \S+ \|)");
+  for (const std::string& l : a) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(l, m, line)) << l;
+    const double z = std::strtod(m[1].str().c_str(), nullptr);
+    EXPECT_TRUE(z > 1.0 && z < 3.0) << l;  // logsumexp^2 of 4 small logits: about log(4)^2 = 1.92
+  }
+  auto first = RunCmd(Train(router + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train(router + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  // Without the routing's options (the z-loss is a training setting: it alone does not make another model).
+  for (const char* other : {" --moe-z-loss-coeff 0.01", " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2.5",
+                            " --moe-router-num-groups 2 --moe-router-group-topk 1"}) {
+    auto r = RunCmd(Train(std::string(other) + " --load " + ShellQuote(dir_ / "ck")));
+    EXPECT_NE(r.exit_code, 0) << other;
+    EXPECT_NE(r.output.find("the checkpoint is of another model"), std::string::npos) << other << "\n" << r.output;
+  }
+  auto taken =
+      RunCmd(Train(" --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 1.5 --use-checkpoint-args "
+                   "--load " +
+                   ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), testing::LogLinesWithoutTimes(resumed.output));
+  for (const char* note : {"--use-checkpoint-args: --moe-router-topk-scaling-factor 2.5 from the checkpoint",
+                           "--moe-router-num-groups 2", "--moe-router-group-topk 1"})
+    EXPECT_NE(taken.output.find(note), std::string::npos) << note << "\n" << taken.output;
+  auto refused =
+      RunCmd(Train(router + " --moe-router-group-topk 2 --use-checkpoint-args --load " + ShellQuote(dir_ / "ck")));
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("--use-checkpoint-args: --moe-router-group-topk 2 differs from the checkpoint's "
+                                "--moe-router-group-topk 1"),
+            std::string::npos)
+      << refused.output;
 }
 
 TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
@@ -309,10 +360,25 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --moe-expert-capacity-factor 1.0: this "
        "mixture-of-experts feature is not implemented"},
       {moe + " --moe-shared-expert-intermediate-size 64", "--moe-shared-expert-intermediate-size 64: this mixture"},
-      {moe + " --moe-z-loss-coeff 0.001", "--moe-z-loss-coeff 0.001: this mixture-of-experts"},
       {moe + " --moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: this mixture-of-experts"},
-      {moe + " --moe-router-group-topk 2", "--moe-router-group-topk 2: this mixture-of-experts"},
-      {moe + " --moe-router-topk-scaling-factor 2", "--moe-router-topk-scaling-factor 2: this mixture"},
+      {moe + " --moe-router-group-topk 2",
+       "usage error: --moe-router-group-topk 2 needs --moe-router-num-groups (as Megatron's TransformerConfig)"},
+      {moe + " --moe-router-num-groups 3 --moe-router-group-topk 1",
+       "usage error: --moe-router-num-groups 3 does not divide --num-experts 4"},
+      {moe + " --moe-router-num-groups 2 --moe-router-group-topk 3",
+       "usage error: --moe-router-group-topk 3 is more than --moe-router-num-groups 2"},
+      {moe + " --moe-router-num-groups 4 --moe-router-group-topk 1",
+       "usage error: --moe-router-group-topk 1 with --moe-router-topk 2 and 4 groups of 1 experts:"},
+      {moe + " --moe-router-topk 1 --moe-router-num-groups 2 --moe-router-group-topk 2",
+       "usage error: --moe-router-group-topk 2 with --moe-router-topk 1 and 2 groups of 2 experts:"},
+      {moe + " --moe-router-group-topk 0", "--moe-router-group-topk"},
+      {moe + " --moe-z-loss-coeff -1", "--moe-z-loss-coeff"},
+      {moe + " --moe-router-topk-scaling-factor nan", "--moe-router-topk-scaling-factor"},
+      {moe + " --moe-z-loss-coeff 0.01 --context-parallel-size 2",
+       "usage error: --moe-z-loss-coeff with --context-parallel-size 2: Megatron divides"},
+      {moe + " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2 --moe-router-num-groups 2 "
+             "--moe-router-group-topk 1 --device cuda",
+       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --moe-token-dispatcher-type flex", "usage error: --moe-token-dispatcher-type flex:"},
       {moe + " --moe-router-dtype fp64", "usage error: --moe-router-dtype fp64: ptk's router computes in fp32"},
       {moe + " --moe-router-topk 5", "usage error: --moe-router-topk 5 is more than --num-experts 4"},
@@ -346,6 +412,17 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
             std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("load_balancing_loss"), std::string::npos) << r.output;  // none logged without the loss
+  // A zero z-loss coefficient or scaling factor, and groups without a group top-k, are noted as changing nothing.
+  auto zero =
+      RunCmd(base + moe +
+             " --moe-z-loss-coeff 0 --moe-router-topk-scaling-factor 0 --moe-router-num-groups 2 --train-iters 1");
+  EXPECT_EQ(zero.exit_code, 0) << zero.output;
+  for (const char* note : {"note: --moe-z-loss-coeff 0: no z-loss",
+                           "note: --moe-router-topk-scaling-factor 0: no "
+                           "scaling",
+                           "note: --moe-router-num-groups 2: accepted, no effect without --moe-router-group-topk"})
+    EXPECT_NE(zero.output.find(note), std::string::npos) << note << "\n" << zero.output;
+  EXPECT_EQ(zero.output.find(" z_loss: "), std::string::npos) << zero.output;  // no log entry
   auto dense = RunCmd(base + " --moe-router-topk 1 --train-iters 1");
   EXPECT_EQ(dense.exit_code, 0) << dense.output;
   EXPECT_NE(dense.output.find("note: --moe-* flags: accepted, no effect without --num-experts"), std::string::npos)

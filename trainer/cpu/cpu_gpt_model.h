@@ -138,10 +138,11 @@ class CpuGPTModel final : public GPTModel {
   absl::Status GatherContextRows(const float* qkv, int64_t b, int64_t t, int64_t w);
   // A mixture-of-experts layer's MLP (cpu_moe_layer.cpp): from act_->ln2[l] into act_->tmp, the
   // training pass's load-balancing loss added to moe_aux_sum_ (with context ranks its counts the
-  // group's, summed over context_comm_); backward from act_->dtmp, ln2's output gradient assigned to act_->dln.
+  // group's, summed over context_comm_) and its z-loss to moe_z_sum_; backward from act_->dtmp, ln2's output
+  // gradient assigned to act_->dln.
   absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train);
   absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
-  double moe_aux_sum_ = 0;
+  double moe_aux_sum_ = 0, moe_z_sum_ = 0;
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);
 

@@ -282,7 +282,7 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   PTK_RETURN_IF_ERROR(Prepare(batch));
   bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
-  moe_aux_sum_ = 0;
+  moe_aux_sum_ = moe_z_sum_ = 0;
   PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t;
@@ -290,6 +290,7 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
   s.load_balancing_loss = moe_aux_sum_;
+  s.z_loss = moe_z_sum_;
   PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
   return s;
 }

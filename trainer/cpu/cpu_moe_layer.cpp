@@ -1,7 +1,7 @@
 // The CPU model's mixture-of-experts MLP (Megatron's MoELayer with TopKRouter and SequentialMLP):
 // the layer's router and experts over the pre-MLP norm's output (trainer/cpu/moe_cpu.h), the
-// load-balancing loss's value kept for the log and its gradient injected with the step's scale,
-// as Megatron's MoEAuxLossAutoScaler does.
+// load-balancing loss's and the router z-loss's values kept for the log and their gradients injected
+// with the step's scale, as Megatron's MoEAuxLossAutoScaler does.
 #include <utility>
 #include <vector>
 
@@ -20,6 +20,9 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
   s.ffn = cf.moe_ffn();
   s.pre_softmax = cf.moe_router_pre_softmax && !cf.moe_router_sigmoid;
   s.sigmoid = cf.moe_router_sigmoid;
+  s.scaling = cf.moe_router_topk_scaling_factor;
+  s.groups = cf.moe_router_num_groups;
+  s.group_topk = cf.moe_router_group_topk;
   s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
                  : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
                  : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact
@@ -42,13 +45,13 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   } else {
     cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
   }
-  // Megatron tracks (and injects) the load-balancing loss only in training passes with a coefficient.
+  // Megatron tracks (and injects) the z-loss and the load-balancing loss only in training passes with a coefficient.
+  if (train && cf.moe_z_loss_coeff > 0) moe_z_sum_ += cpu::MoeZLoss(m, s);
   if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
   if (cp()) {  // the experts' token counts over the whole sequence (Megatron's over the tensor x context group)
     std::vector<double> counts(static_cast<size_t>(s.experts) + 1);
-    for (int64_t e = 0; e < s.experts; ++e)
-      counts[static_cast<size_t>(e)] = static_cast<double>(m.begin[e + 1] - m.begin[e]);
-    counts.back() = static_cast<double>(n);
+    for (int64_t e = 0; e < s.experts; ++e) counts[static_cast<size_t>(e)] = m.AuxCount(e);
+    counts.back() = m.AuxTokens();
     PTK_RETURN_IF_ERROR(context_comm_->AllReduceSum(counts.data(), s.experts + 1));
     m.group_n = counts.back();
     counts.pop_back();
@@ -66,13 +69,16 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool 
   const float* P = params_.data();
   float* G = grads_.data();
   const double aux_grad = train ? cf.moe_aux_loss_coeff * moe_aux_loss_scale_ : 0.0;
+  // The z-loss's MoEAuxLossAutoScaler scale is the load-balancing loss's (with --calculate-per-token-loss both are
+  // multiplied by the micro-batch's tokens); context ranks are refused with it (moe_flags.cpp).
+  const double z_grad = train ? cf.moe_z_loss_coeff * moe_aux_loss_scale_ : 0.0;
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
   if (expert_comm_ != nullptr)
     return cpu::ExpertParallelBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m,
                                        &a.moe_ep[static_cast<size_t>(l)], a.ln2[l].data(), P + lp.router_w,
-                                       P + lp.experts, cf.hidden_size, s, aux_grad, expert_comm_, &a.ep_buf);
+                                       P + lp.experts, cf.hidden_size, s, aux_grad, z_grad, expert_comm_, &a.ep_buf);
   cpu::MoeBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m, a.ln2[l].data(), P + lp.router_w,
-                   P + lp.experts, cf.hidden_size, s, aux_grad);
+                   P + lp.experts, cf.hidden_size, s, aux_grad, z_grad);
   return absl::OkStatus();
 }
 

@@ -79,7 +79,7 @@ absl::Status ExpertParallelForward(float* out, MoeActivations<float>* mine, MoeA
 absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local, const float* dout,
                                     MoeActivations<float>* mine, MoeActivations<float>* rows, const float* x,
                                     const float* w_router, const float* w_local, int64_t c, const MoeSettings& s,
-                                    double aux_grad, Communicator* expert, std::vector<float>* buf) {
+                                    double aux_grad, double z_grad, Communicator* expert, std::vector<float>* buf) {
   const int size = expert->size(), me = expert->rank();
   const int64_t n = mine->n, K = s.topk, N = n * size;
   // The output gradients of the group's tokens.
@@ -102,7 +102,7 @@ absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local
   const float* own = buf->data() + me * piece;
   for (int64_t i = 0; i < n * c; ++i) dx[i] += own[i];
   mine->dprob.assign(own + n * c, own + n * c + n * K);
-  MoeRouterBackward(dx, dw_router, mine, x, w_router, c, s, aux_grad);
+  MoeRouterBackward(dx, dw_router, mine, x, w_router, c, s, aux_grad, z_grad);
   return absl::OkStatus();
 }
 

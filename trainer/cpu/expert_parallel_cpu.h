@@ -25,6 +25,6 @@ absl::Status ExpertParallelForward(float* out, MoeActivations<float>* mine, MoeA
 absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local, const float* dout,
                                     MoeActivations<float>* mine, MoeActivations<float>* rows, const float* x,
                                     const float* w_router, const float* w_local, int64_t c, const MoeSettings& s,
-                                    double aux_grad, Communicator* expert, std::vector<float>* buf);
+                                    double aux_grad, double z_grad, Communicator* expert, std::vector<float>* buf);
 
 }  // namespace ptk::cpu

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "common/status.h"
@@ -21,6 +22,16 @@ void Softmax(T* out, const T* in, int64_t m) {
   for (int64_t j = 0; j < m; ++j) out[j] /= sum;
 }
 
+// log(sum(exp(x))) of `m` values (max subtracted, as torch.logsumexp).
+template <typename T>
+T LogSumExp(const T* x, int64_t m) {
+  T mx = x[0];
+  for (int64_t j = 1; j < m; ++j) mx = std::max(mx, x[j]);
+  T sum = 0;
+  for (int64_t j = 0; j < m; ++j) sum += std::exp(x[j] - mx);
+  return mx + std::log(sum);
+}
+
 // y's gradient through y = softmax(x) (m values): dx = y (dy - sum(y dy)), added to dx.
 template <typename T>
 void SoftmaxBackwardAdd(T* dx, const T* y, const T* dy, int64_t m) {
@@ -36,6 +47,27 @@ void TopK(int32_t* idx, const auto* v, int64_t E, int64_t K) {
   std::partial_sort(all.begin(), all.begin() + K, all.end(),
                     [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
   std::copy(all.begin(), all.begin() + K, idx);
+}
+
+// A token's K experts by its scores `v`: the K largest, or under group-limited routing the K largest of the
+// group_topk groups whose topk / group_topk largest scores add up to the most (Megatron's group_limited_topk).
+template <typename T>
+void Choose(int32_t* idx, const T* v, const MoeSettings& s) {
+  const int64_t E = s.experts, K = s.topk;
+  if (s.group_topk == 0) return TopK(idx, v, E, K);
+  const int64_t per = E / s.groups, take = K / s.group_topk;
+  std::vector<T> group(static_cast<size_t>(s.groups));
+  std::vector<int32_t> top(static_cast<size_t>(std::max(take, s.group_topk)));
+  for (int64_t g = 0; g < s.groups; ++g) {
+    TopK(top.data(), v + g * per, per, take);
+    T sum = 0;
+    for (int64_t t = 0; t < take; ++t) sum += v[g * per + top[t]];
+    group[g] = sum;
+  }
+  TopK(top.data(), group.data(), s.groups, s.group_topk);
+  std::vector<T> masked(static_cast<size_t>(E), -std::numeric_limits<T>::infinity());
+  for (int64_t j = 0; j < s.group_topk; ++j) std::copy_n(v + top[j] * per, per, masked.data() + top[j] * per);
+  TopK(idx, masked.data(), E, K);
 }
 
 template <typename T>
@@ -83,23 +115,23 @@ void RouteSigmoid(MoeActivations<T>* a, int64_t i, const MoeSettings& s) {
   T all = 0;
   for (int64_t e = 0; e < E; ++e) all += g[e] = T{1} / (T{1} + std::exp(-z[e]));
   for (int64_t e = 0; e < E; ++e) sc[e] = g[e] / (all + T(1e-20));
-  TopK(chosen, g, E, K);
+  Choose(chosen, g, s);
   T top = 0;
   for (int64_t k = 0; k < K; ++k) top += p[k] = g[chosen[k]];
   if (K > 1)
     for (int64_t k = 0; k < K; ++k) p[k] /= top + T(1e-20);
 }
 
-// Its backward: token i's logits' gradient added to dz from its probabilities' (dp) and, with aux_unit,
-// the load-balancing loss's (aux_unit x the tokens each expert got, per normalised score).
+// Its backward: token i's logits' gradient added to dz from its probabilities' (p, dp: before the scaling
+// factor) and, with aux_unit, the load-balancing loss's (aux_unit x the tokens each expert got, per normalised
+// score).
 template <typename T>
-void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T* dp, const MoeSettings& s,
+void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T* p, const T* dp, const MoeSettings& s,
                            double aux_unit) {
   const int64_t E = s.experts, K = s.topk;
   const T* g = a.gates.data() + i * E;
   const T* sc = a.scores.data() + i * E;
   const int32_t* chosen = a.expert.data() + i * K;
-  const T* p = a.prob.data() + i * K;
   std::vector<T> ds(static_cast<size_t>(E), T{0});  // the gates' gradient
   if (K == 1) {
     ds[chosen[0]] = dp[0];
@@ -142,13 +174,24 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
     T* p = a->prob.data() + i * K;
     Softmax(sc, z, E);
     if (s.pre_softmax) {  // the softmax over all experts, its K largest entries
-      TopK(chosen, sc, E, K);
+      Choose(chosen, sc, s);
       for (int64_t k = 0; k < K; ++k) p[k] = sc[chosen[k]];
     } else {  // the K largest logits, then a softmax over them
-      TopK(chosen, z, E, K);
+      Choose(chosen, z, s);
       std::vector<T> top(static_cast<size_t>(K));
       for (int64_t k = 0; k < K; ++k) top[k] = z[chosen[k]];
       Softmax(p, top.data(), K);
+    }
+  }
+  if (s.scaling != 0)
+    for (T& p : a->prob) p *= static_cast<T>(s.scaling);
+  if (s.group_topk > 0) {  // the load-balancing loss's counts: each token's plain top-k of its scores
+    a->group_count.assign(static_cast<size_t>(E), 0.0);
+    a->group_n = static_cast<double>(n);
+    std::vector<int32_t> top(static_cast<size_t>(K));
+    for (int64_t i = 0; i < n; ++i) {
+      TopK(top.data(), a->scores.data() + i * E, E, K);
+      for (int64_t k = 0; k < K; ++k) a->group_count[static_cast<size_t>(top[k])] += 1;
     }
   }
   Dispatch(a, s);
@@ -167,6 +210,17 @@ double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s) {
   }
   const double N = a.AuxTokens();
   return sum * static_cast<double>(E) / (static_cast<double>(K) * N * N);
+}
+
+template <typename T>
+double MoeZLoss(const MoeActivations<T>& a, const MoeSettings& s) {
+  const int64_t E = s.experts;
+  double sum = 0;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const T lse = LogSumExp(a.logits.data() + i * E, E);
+    sum += static_cast<double>(lse * lse);
+  }
+  return a.n > 0 ? sum / static_cast<double>(a.n) : 0.0;
 }
 
 template <typename T>
@@ -197,20 +251,39 @@ void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t
 }
 
 namespace {
-// The router's logits' gradient from the probabilities' (dprob) and the load-balancing loss's.
+// The z-loss's gradient added to token i's logits' (dz): z_unit x 2 logsumexp(z) softmax(z).
 template <typename T>
-void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad) {
+void ZLossBackward(T* dz, const T* z, int64_t E, double z_unit) {
+  std::vector<T> sm(static_cast<size_t>(E));
+  Softmax(sm.data(), z, E);
+  const T scale = static_cast<T>(2 * z_unit) * LogSumExp(z, E);
+  for (int64_t e = 0; e < E; ++e) dz[e] += scale * sm[e];
+}
+
+// The router's logits' gradient from the probabilities' (dprob), the load-balancing loss's and the z-loss's.
+template <typename T>
+void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad, double z_grad) {
   const int64_t n = a->n, E = s.experts, K = s.topk;
   a->dlogits.assign(static_cast<size_t>(n * E), T{0});
   std::vector<T> d(static_cast<size_t>(std::max(E, K)));
   const double N = a->AuxTokens(), aux_unit = aux_grad * static_cast<double>(E) / (static_cast<double>(K) * N * N);
+  // With a scaling factor f the probabilities before it (p / f) and their gradient (f x dprob).
+  std::vector<T> raw(static_cast<size_t>(K)), draw(static_cast<size_t>(K));
+  const T f = static_cast<T>(s.scaling);
   for (int64_t i = 0; i < n; ++i) {
     T* dz = a->dlogits.data() + i * E;
     const T* sc = a->scores.data() + i * E;
     const int32_t* chosen = a->expert.data() + i * K;
+    const T* prob = a->prob.data() + i * K;
     const T* dp = a->dprob.data() + i * K;
+    if (s.scaling != 0) {
+      for (int64_t k = 0; k < K; ++k) raw[k] = prob[k] / f, draw[k] = dp[k] * f;
+      prob = raw.data();
+      dp = draw.data();
+    }
+    if (z_grad != 0) ZLossBackward(dz, a->logits.data() + i * E, E, z_grad / static_cast<double>(n));
     if (s.sigmoid) {
-      SigmoidRouterBackward(dz, *a, i, dp, s, aux_unit);
+      SigmoidRouterBackward(dz, *a, i, prob, dp, s, aux_unit);
       continue;
     }
     if (s.pre_softmax) {
@@ -219,7 +292,7 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad)
       SoftmaxBackwardAdd(dz, sc, d.data(), E);
     } else {
       std::vector<T> top(static_cast<size_t>(K));
-      SoftmaxBackwardAdd(top.data(), a->prob.data() + i * K, dp, K);  // top starts at zero
+      SoftmaxBackwardAdd(top.data(), prob, dp, K);  // top starts at zero
       for (int64_t k = 0; k < K; ++k) dz[chosen[k]] += top[k];
     }
     if (aux_grad == 0) continue;
@@ -268,24 +341,25 @@ void MoeExpertsBackward(T* dx, T* dw_experts, const T* dout, MoeActivations<T>* 
 
 template <typename T>
 void MoeRouterBackward(T* dx, T* dw_router, MoeActivations<T>* a, const T* x, const T* w_router, int64_t c,
-                       const MoeSettings& s, double aux_grad) {
-  RouterBackward(a, s, aux_grad);
+                       const MoeSettings& s, double aux_grad, double z_grad) {
+  RouterBackward(a, s, aux_grad, z_grad);
   MatmulBackward(dx, dw_router, static_cast<T*>(nullptr), a->dlogits.data(), x, w_router, a->n, c, s.experts);
 }
 
 template <typename T>
 void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
-                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad) {
+                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad, double z_grad) {
   MoeExpertsBackward(dx, dw_experts, dout, a, w_experts, c, s);
-  MoeRouterBackward(dx, dw_router, a, x, w_router, c, s, aux_grad);
+  MoeRouterBackward(dx, dw_router, a, x, w_router, c, s, aux_grad, z_grad);
 }
 
 #define PTK_INSTANTIATE(T)                                                                                         \
   template void MoeRouterForward<T>(MoeActivations<T>*, const T*, const T*, int64_t, int64_t, const MoeSettings&); \
   template double MoeAuxLoss<T>(const MoeActivations<T>&, const MoeSettings&);                                     \
+  template double MoeZLoss<T>(const MoeActivations<T>&, const MoeSettings&);                                       \
   template void MoeExpertsForward<T>(T*, MoeActivations<T>*, const T*, int64_t, const MoeSettings&);               \
   template void MoeBackward<T>(T*, T*, T*, const T*, MoeActivations<T>*, const T*, const T*, const T*, int64_t,    \
-                               const MoeSettings&, double);
+                               const MoeSettings&, double, double);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
@@ -293,7 +367,7 @@ PTK_INSTANTIATE(double)
 #define PTK_INSTANTIATE_HALVES(T)                                                                                   \
   template void MoeExpertsBackward<T>(T*, T*, const T*, MoeActivations<T>*, const T*, int64_t, const MoeSettings&); \
   template void MoeRouterBackward<T>(T*, T*, MoeActivations<T>*, const T*, const T*, int64_t, const MoeSettings&,   \
-                                     double);
+                                     double, double);
 PTK_INSTANTIATE_HALVES(float)
 PTK_INSTANTIATE_HALVES(double)
 #undef PTK_INSTANTIATE_HALVES

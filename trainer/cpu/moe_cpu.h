@@ -6,6 +6,8 @@
 // its output's rows scaled by the token's probability after the activation (MLP's per_token_scale),
 // the outputs added back per token; the switch-style load-balancing loss
 // (switch_load_balancing_loss_func) and its gradient. With sigmoid, Megatron's sigmoid score function.
+// Also the router z-loss (z_loss_func) and its gradient, the top-k probabilities' scaling factor and
+// group-limited routing (group_limited_topk).
 #pragma once
 
 #include <cstddef>
@@ -24,6 +26,12 @@ struct MoeSettings {
   // those scores over their sum (+1e-20; the score itself at k = 1), the load-balancing loss's scores
   // each token's sigmoids over their sum (+1e-20).
   bool sigmoid = false;
+  // Megatron's --moe-router-topk-scaling-factor (0: none): the chosen experts' probabilities times it.
+  double scaling = 0;
+  // Megatron's group-limited routing (group_topk 0: none): the experts in `groups` equal groups, each token's
+  // experts chosen among the group_topk groups of the largest sums of their topk / group_topk largest
+  // scores. The load-balancing loss still counts each token's plain top-k (compute_routing_scores_for_aux_loss).
+  int64_t groups = 0, group_topk = 0;
   MlpActivation activation = MlpActivation::kGelu;
   int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
   // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
@@ -47,7 +55,8 @@ struct MoeActivations {
   // Context parallelism: the tokens each expert got over the context group's ranks (E of them) and the group's
   // tokens, Megatron's global_tokens_per_expert and total_num_tokens: the load-balancing loss's counts (its
   // value and gradient then this rank's part of the whole sequence's). Empty (MoeRouterForward clears it): this
-  // rank's own.
+  // rank's own. Under group-limited routing MoeRouterForward fills it with this rank's plain top-k counts (and
+  // group_n with n), which the load-balancing loss counts instead of the dispatch's.
   std::vector<double> group_count;
   double group_n = 0;
   double AuxCount(int64_t e) const {
@@ -65,12 +74,17 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
 // the counts the context group's where `a` holds them (group_count).
 template <typename T>
 double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s);
+// The router z-loss of the pass without its coefficient (what Megatron logs as z_loss): the mean over the
+// tokens of logsumexp(logits)^2.
+template <typename T>
+double MoeZLoss(const MoeActivations<T>& a, const MoeSettings& s);
 // The experts: out (n, c) assigned, from x (n, c) and the experts' weights (E x expert_floats).
 template <typename T>
 void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t c, const MoeSettings& s);
 // The whole layer's backward from dout (n, c): dx (n, c) accumulated with the experts' and the
 // router's input gradients, dw_router (E, c) and dw_experts accumulated. aux_grad: d(objective) /
-// d(load-balancing loss without its coefficient), i.e. coefficient x the loss's weight (0: none).
+// d(load-balancing loss without its coefficient), i.e. coefficient x the loss's weight (0: none); z_grad
+// likewise the z-loss's (MoeZLoss).
 // MoeBackward's two halves, for expert parallelism (the experts on the tokens gathered from the expert
 // group, the router on this rank's own). The experts': dx (n, c) accumulated through the experts, dw_experts
 // accumulated, a->dprob (n, K) assigned (0 for the slots of experts `a` holds no rows of). `a` may hold rows
@@ -78,12 +92,12 @@ void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t
 template <typename T>
 void MoeExpertsBackward(T* dx, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* w_experts, int64_t c,
                         const MoeSettings& s);
-// The router's: from a->dprob and the load-balancing loss, dx (n, c) and dw_router (E, c) accumulated.
+// The router's: from a->dprob, the load-balancing loss and the z-loss, dx (n, c) and dw_router (E, c) accumulated.
 template <typename T>
 void MoeRouterBackward(T* dx, T* dw_router, MoeActivations<T>* a, const T* x, const T* w_router, int64_t c,
-                       const MoeSettings& s, double aux_grad);
+                       const MoeSettings& s, double aux_grad, double z_grad = 0);
 template <typename T>
 void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivations<T>* a, const T* x, const T* w_router,
-                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad);
+                 const T* w_experts, int64_t c, const MoeSettings& s, double aux_grad, double z_grad = 0);
 
 }  // namespace ptk::cpu

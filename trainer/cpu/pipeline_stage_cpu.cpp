@@ -45,10 +45,11 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), chunk_pre_process() ? 0 : nc));
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), chunk_post_process() ? 0 : nc));
   if (!chunk_pre_process()) std::copy(input.begin(), input.end(), a.resid[chunk_layer_begin()].begin());
-  moe_aux_sum_ = 0;  // this chunk's MoE layers' load-balancing losses (every stage reports its own)
+  moe_aux_sum_ = moe_z_sum_ = 0;  // this chunk's MoE layers' load-balancing and z-losses (every stage its own)
   PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
   LossSum aux;
   aux.load_balancing_loss = moe_aux_sum_;
+  aux.z_loss = moe_z_sum_;
   if (!chunk_post_process()) {
     const std::vector<float>& out = a.resid[chunk_layer_end()];
     std::copy(out.begin(), out.end(), output.begin());
@@ -68,6 +69,7 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
   s.load_balancing_loss = aux.load_balancing_loss;
+  s.z_loss = aux.z_loss;
   return s;
 }
 
