@@ -73,6 +73,11 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
+  if (bool mla = false; !m["multi_latent_attention"].get(mla) && mla)  // ptk-train's CPU MLA layers
+    return absl::UnimplementedError(
+        fmt::format("{}: a multi-latent attention model (--multi-latent-attention): ptk-convert does not export MLA "
+                    "checkpoints (neither --saver hf nor --saver megatron)",
+                    file));
   if (!m["num_experts"].get(c.num_experts) && !ReadMoeHeader(m, &c))  // ptk-train's MoE layers
     return bad("the header's description of the mixture of experts misses a field or has a bad one");
   if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only

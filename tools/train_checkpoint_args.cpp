@@ -32,6 +32,7 @@ constexpr const char* kSwitches[] = {
     "--squared-relu",
     "--apply-layernorm-1p",
     "--moe-router-pre-softmax",
+    "--multi-latent-attention",
 };
 bool IsSwitch(const std::string& flag) {
   for (const char* s : kSwitches)
@@ -40,6 +41,14 @@ bool IsSwitch(const std::string& flag) {
 }
 bool IsForced(const std::string& flag) {
   for (const char* s : kCheckpointForcedFlags)
+    if (flag == s) return true;
+  return false;
+}
+// Multi-latent attention's (recorded only by an MLA model's checkpoint).
+bool IsMlaFlag(const std::string& flag) {
+  for (const char* s :
+       {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+        "--v-head-dim", "--rope-type", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim"})
     if (flag == s) return true;
   return false;
 }
@@ -125,7 +134,11 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
                                                 {"--vocab-size", &m->vocab_size},
                                                 {"--kv-channels", &f->kv_channels},
                                                 {"--num-query-groups", &f->num_query_groups},
-                                                {"--num-experts", &f->moe.num_experts}};
+                                                {"--num-experts", &f->moe.num_experts},
+                                                {"--kv-lora-rank", &f->mla.kv_lora_rank},
+                                                {"--qk-head-dim", &f->mla.qk_head_dim},
+                                                {"--qk-pos-emb-head-dim", &f->mla.qk_pos_emb_head_dim},
+                                                {"--v-head-dim", &f->mla.v_head_dim}};
   const std::map<std::string, double*> reals = {
       {"--layernorm-epsilon", &m->layernorm_epsilon},
       {"--hidden-dropout", &m->hidden_dropout},
@@ -133,7 +146,10 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       {"--rotary-base", &m->rotary_base},
       {"--rotary-percent", &m->rotary_percent},
       {"--rope-scaling-factor", &m->rope_scaling_factor},
-      {"--rotary-seq-len-interpolation-factor", &m->rotary_seq_len_interpolation_factor}};
+      {"--rotary-seq-len-interpolation-factor", &m->rotary_seq_len_interpolation_factor},
+      {"--rotary-scaling-factor", &f->mla.rotary_scaling_factor},
+      {"--mscale", &f->mla.mscale},
+      {"--mscale-all-dim", &f->mla.mscale_all_dim}};
   const std::map<std::string, bool*> switches = {
       {"--untie-embeddings-and-output-weights", &m->untie_embeddings_and_output_weights},
       {"--use-rope-scaling", &m->use_rope_scaling},
@@ -144,7 +160,8 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       {"--qk-layernorm", &m->qk_layernorm},
       {"--squared-relu", &m->squared_relu},
       {"--apply-layernorm-1p", &m->apply_layernorm_1p},
-      {"--moe-router-pre-softmax", &f->moe.pre_softmax}};
+      {"--moe-router-pre-softmax", &f->moe.pre_softmax},
+      {"--multi-latent-attention", &f->mla.on}};
   if (auto it = ints.find(flag); it != ints.end()) PTK_RETURN_IF_ERROR(as_int(it->second));
   if (auto it = reals.find(flag); it != reals.end()) PTK_RETURN_IF_ERROR(as_real(it->second));
   if (auto it = switches.find(flag); it != switches.end()) *it->second = on;
@@ -154,6 +171,16 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       PTK_RETURN_IF_ERROR(as_int(&v));
       *field = v;
     }
+  if (flag == "--q-lora-rank" && value == "none") f->mla.q_lora_rank.reset();  // linear_q_proj
+  if (flag == "--q-lora-rank" && value != "none") {
+    int64_t v = 0;
+    PTK_RETURN_IF_ERROR(as_int(&v));
+    f->mla.q_lora_rank = v;
+  }
+  if (flag == "--rope-type") {
+    if (value != "rope" && value != "yarn") return bad();
+    f->mla.rope_type = value;
+  }
   if (flag == "--moe-layer-freq") f->moe.layer_freq = value;  // its written pattern, "[1,0,1]"
   if (flag == "--moe-router-topk-scaling-factor") {           // empty: none
     double v = 0;
@@ -300,6 +327,7 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
     auto it = ckpt.find(flag);
     if (it == ckpt.end()) {
       if (flag.starts_with("--moe-") || flag == "--num-experts") continue;  // a dense model's checkpoint
+      if (IsMlaFlag(flag)) continue;                                        // one without multi-latent attention
       if (!given && IsRequired(flag))
         return UsageError(
             fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: give it",

@@ -100,7 +100,6 @@ struct ModelRefusal {
 constexpr ModelRefusal kModelRefusals[] = {
     {"--apply-residual-connection-post-layernorm", false,
      "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
-    {"--multi-latent-attention", false, "multi-latent attention is not implemented"},
     {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "

@@ -69,6 +69,18 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups",
     "--moe-router-group-topk",
+    // A multi-latent attention checkpoint's (another records none of them). Megatron's
+    // load_args_from_checkpoint takes none of them; ptk takes them as it takes the shape flags.
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "--kv-lora-rank",
+    "--qk-head-dim",
+    "--qk-pos-emb-head-dim",
+    "--v-head-dim",
+    "--rope-type",
+    "--rotary-scaling-factor",
+    "--mscale",
+    "--mscale-all-dim",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
 // one the command line gives. The others (Megatron's shape flags, which it takes only where the

@@ -71,6 +71,7 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
                   "results; memory only)");
   AddLlamaFlags(app, f);
   AddMoeFlags(app, f);
+  AddMlaFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }
 

@@ -96,6 +96,14 @@ struct TrainFlags {
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
   } moe;
+  // Megatron's multi-latent attention (mla_flags.cpp): Megatron-LM's defaults; rope_type empty: not given.
+  struct Mla {
+    bool on = false;
+    std::optional<int64_t> q_lora_rank;
+    int64_t kv_lora_rank = 32, qk_head_dim = 128, qk_pos_emb_head_dim = 64, v_head_dim = 128;
+    std::string rope_type;
+    double rotary_scaling_factor = 1.0, mscale = 1.0, mscale_all_dim = 0.0;
+  } mla;
   // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
   // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch groups.
@@ -117,6 +125,12 @@ absl::Status ResolveMoeFlags(const TrainFlags& flags, GPTConfig* model, std::vec
 absl::Status ResolveFimFlags(const TrainFlags& f, const TrainOptions& o);
 absl::Status RefuseMoeParallelism(const TrainFlags& flags);
 absl::Status RefuseMoeDevice(const TrainFlags& flags, Device device);
+// Megatron's multi-latent attention flags (mla_flags.cpp), added by AddTrainFlags; their settings into
+// `model` (a usage error naming the flag for a combination ptk has not); the parallelism (tensor, context)
+// and the device (CUDA) ptk's MLA layers do not run with, refused naming them.
+void AddMlaFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveMlaFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& flags, Device device);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

@@ -150,9 +150,6 @@ constexpr Group kGroups[] = {
      "--moe-token-drop-policy= --moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
      "--moe-use-upcycling --overlap-moe-expert-parallel-comm "
      "--use-fused-weighted-squared-relu"},
-    {true, "multi-latent attention is not implemented",
-     "--kv-lora-rank= --mscale= --mscale-all-dim= --q-lora-rank= --qk-head-dim= --qk-pos-emb-head-dim= "
-     "--v-head-dim="},
     {true, "Mamba and hybrid models are not implemented",
      "--disable-mamba-mem-eff-path --hybrid-attention-ratio= --hybrid-mlp-ratio= "
      "--hybrid-override-pattern= --is-hybrid-model --mamba-head-dim= --mamba-num-groups= "
@@ -220,7 +217,7 @@ constexpr Group kGroups[] = {
     {true, "this activation is not implemented (ptk has GELU, --swiglu and --squared-relu)",
      "--activation-func-clamp-value= --glu-linear-offset= --quick-geglu"},
     {true, "this rotary-embedding variant is not implemented (ptk has RoPE with --rotary-base, --rotary-percent and --use-rope-scaling)",
-     "--mrope-section=+ --no-rope-freq= --rope-type= --rotary-scaling-factor="},
+     "--mrope-section=+ --no-rope-freq="},
     {true, "this checkpoint feature is not implemented (ptk saves whole checkpoints: --save, and global non-persistent ones)",
      "--replication --replication-factor= --replication-jump= --save-dgrads-interval= --save-wgrads-interval="},
     {true, "not implemented: --load restores a checkpoint whole (--no-load-optim, --no-load-rng, --finetune leave parts out; --use-checkpoint-args takes the model's flags)",

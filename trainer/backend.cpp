@@ -119,6 +119,11 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   if (config.moe() && backend.device != Device::kCpu)
     return absl::UnimplementedError(
         fmt::format("num_experts {}: the mixture-of-experts layers run on the CPU backend", config.num_experts));
+  // Multi-latent attention is the CPU passes' too (cpu_mla_layer.cpp), on one tensor and one context rank.
+  if (config.mla() && backend.device != Device::kCpu)
+    return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on the CPU backend");
+  if (config.mla() && backend.context_comm && backend.context_comm->size() > 1)
+    return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on one context rank");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(

@@ -168,6 +168,19 @@ std::string ModelJson(const GPTConfig& c) {
     if (c.moe_router_group_topk > 0)
       w.Field("moe_router_num_groups", c.moe_router_num_groups).Field("moe_router_group_topk", c.moe_router_group_topk);
   }
+  if (c.mla()) {  // multi-latent attention's architecture and its rotary embedding
+    w.Field("multi_latent_attention", true)
+        .Field("q_lora_rank", c.q_lora_rank)
+        .Field("kv_lora_rank", c.kv_lora_rank)
+        .Field("qk_head_dim", c.qk_head_dim)
+        .Field("qk_pos_emb_head_dim", c.qk_pos_emb_head_dim)
+        .Field("v_head_dim", c.v_head_dim)
+        .Field("rope_type", std::string(c.mla_yarn ? "yarn" : "rope"))
+        .Field("mla_rotary_base", c.rotary_base)
+        .Field("rotary_scaling_factor", c.rotary_scaling_factor)
+        .Field("mscale", c.mscale)
+        .Field("mscale_all_dim", c.mscale_all_dim);
+  }
   return w.EndObject().str();
 }
 

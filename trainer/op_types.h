@@ -11,9 +11,14 @@ namespace ptk {
 struct AttentionShape {
   int64_t b, t, nh, hd;
   int64_t ng = 0;
+  // Multi-latent attention (CPU ops only): the value heads' width (0: hd, the query and key heads') and
+  // the scores' scale (0: 1 / sqrt(hd); MLA's is mscale^2 / sqrt(hd)).
+  int64_t vd = 0;
+  double scale = 0;
   int64_t groups() const { return ng > 0 ? ng : nh; }
+  int64_t v_dim() const { return vd > 0 ? vd : hd; }
   // Width of one token's row of the fused QKV: per group its query heads, then its key and value.
-  int64_t qkv_width() const { return (nh + 2 * groups()) * hd; }
+  int64_t qkv_width() const { return nh * hd + groups() * (hd + v_dim()); }
 };
 
 // Rotary embedding's settings beside the rotated channels (Megatron's RotaryEmbedding arguments).

@@ -71,6 +71,15 @@ absl::Status CheckTensorSplit(const GPTConfig& c, int tensor) {
   return absl::OkStatus();
 }
 
+int64_t MlaProjectionParams(const GPTConfig& c) {
+  const int64_t h = c.hidden_size, heads = c.num_attention_heads, qr = c.q_lora_rank, kvr = c.kv_lora_rank;
+  const int64_t norm = c.normalization == Normalization::kRMSNorm ? 1 : 2;  // a norm's tensors per channel
+  const int64_t q_rows = heads * c.mla_q_head_dim();
+  const int64_t q = qr > 0 ? qr * h + q_rows * qr + (c.qk_layernorm ? norm * qr : 0) : q_rows * h;
+  return q + (kvr + c.qk_pos_emb_head_dim) * h + heads * (c.qk_head_dim + c.v_head_dim) * kvr +
+         (c.qk_layernorm ? norm * kvr : 0);
+}
+
 int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, int stage, int64_t layers_on_stage,
                                   int64_t moe_layers_on_stage) {
   PTK_CHECK(tensor >= 1 && pipeline >= 1 && stage >= 0 && stage < pipeline);
@@ -78,19 +87,20 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   const int64_t h = c.hidden_size, t = tensor;
   const int64_t ffn = c.ffn_hidden_size > 0 ? c.ffn_hidden_size : 4 * h;
   const int64_t norm = c.normalization == Normalization::kRMSNorm ? h : 2 * h;  // RMSNorm has no bias
-  const int64_t qkv = c.qkv_rows();                                // query heads plus a key and a value head per group
-  const int64_t attention = c.num_attention_heads * c.head_dim();  // the projection's input
-  const int64_t fc1 = (c.swiglu ? 2 : 1) * ffn;                    // SwiGLU's fc1: [gate; up]
+  const int64_t qkv = c.qkv_rows();               // query heads plus a key and a value head per group
+  const int64_t attention = c.attention_width();  // the projection's input
+  const int64_t fc1 = (c.swiglu ? 2 : 1) * ffn;   // SwiGLU's fc1: [gate; up]
   const int64_t bias = c.add_bias_linear ? 1 : 0;
   // --qk-layernorm: the query and the key norm over head_dim channels, whole on every tensor rank.
   const int64_t qk_norms = c.qk_layernorm ? 2 * (norm / h) * c.head_dim() : 0;
-  const int64_t layer = norm                                          // input norm
-                        + qkv * h / t + (c.qkv_bias() ? qkv / t : 0)  // column-parallel QKV
-                        + qk_norms                                    // query and key norms
-                        + h * attention / t + bias * h                // row-parallel projection, bias whole
-                        + norm                                        // pre-MLP norm
-                        + fc1 * h / t + bias * fc1 / t                // column-parallel fc1
-                        + h * ffn / t + bias * h;                     // row-parallel fc2, bias whole
+  // Multi-latent attention (one tensor rank) holds its projections and latent norms in place of QKV's.
+  const int64_t qkv_part = c.mla() ? MlaProjectionParams(c) : qkv * h / t + (c.qkv_bias() ? qkv / t : 0) + qk_norms;
+  const int64_t layer = norm                            // input norm
+                        + qkv_part                      // column-parallel QKV, query and key norms
+                        + h * attention / t + bias * h  // row-parallel projection, bias whole
+                        + norm                          // pre-MLP norm
+                        + fc1 * h / t + bias * fc1 / t  // column-parallel fc1
+                        + h * ffn / t + bias * h;       // row-parallel fc2, bias whole
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
   if (c.moe()) {  // one tensor rank (ptk-train refuses more): each MoE layer's router and experts

@@ -67,7 +67,41 @@ absl::Status GPTConfig::Validate() const {
   if (!(embedding_init_method_std >= 0 && embedding_init_method_std <= kGptConfigMaxInitMethodStd))
     return bad(fmt::format("embedding_init_method_std {}: must be in (0, {}] (0: init_method_std's)",
                            embedding_init_method_std, kGptConfigMaxInitMethodStd));
+  PTK_RETURN_IF_ERROR(ValidateMla());
   return ValidateMoe();
+}
+
+double GPTConfig::MlaSoftmaxScale() const {
+  const double m = rotary_scaling_factor <= 1 ? 1.0 : 0.1 * mscale_all_dim * std::log(rotary_scaling_factor) + 1.0;
+  return m * m / std::sqrt(static_cast<double>(mla_q_head_dim()));
+}
+
+absl::Status GPTConfig::ValidateMla() const {
+  if (!mla()) return absl::OkStatus();
+  auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
+  for (auto [name, v] : {std::pair{"kv_lora_rank", kv_lora_rank},
+                         {"qk_head_dim", qk_head_dim},
+                         {"qk_pos_emb_head_dim", qk_pos_emb_head_dim},
+                         {"v_head_dim", v_head_dim}})
+    if (v < 1) return bad(fmt::format("{} {}: must be at least 1", name, v));
+  if (q_lora_rank < 0) return bad(fmt::format("q_lora_rank {}: must be at least 1 (or 0: none)", q_lora_rank));
+  if (qk_pos_emb_head_dim % 2 != 0)
+    return bad(fmt::format("qk_pos_emb_head_dim {}: the rotary channels must be even", qk_pos_emb_head_dim));
+  if (!(rotary_base > 0 && std::isfinite(rotary_base)))
+    return bad(fmt::format("rotary_base {}: must be positive", rotary_base));
+  if (!(rotary_scaling_factor > 0 && std::isfinite(rotary_scaling_factor)))
+    return bad(fmt::format("rotary_scaling_factor {}: must be positive", rotary_scaling_factor));
+  if (!std::isfinite(mscale) || !std::isfinite(mscale_all_dim))
+    return bad(fmt::format("mscale {} and mscale_all_dim {}: must be finite", mscale, mscale_all_dim));
+  if (mla_yarn && rotary_scaling_factor > 1 && 0.1 * mscale_all_dim * std::log(rotary_scaling_factor) + 1.0 == 0)
+    return bad("mscale_all_dim makes YaRN's concentration factor divide by zero");
+  if (rotary_percent != 1.0 || rotary_interleaved || use_rope_scaling || rotary_seq_len_interpolation_factor > 0)
+    return bad(
+        "multi_latent_attention rotates all qk_pos_emb_head_dim channels, non-interleaved, without Llama 3 scaling or "
+        "position interpolation (rotary_percent 1)");
+  if (num_query_groups > 0 && num_query_groups != num_attention_heads)
+    return bad("multi_latent_attention with num_query_groups: MLA has a key and value per head");
+  return absl::OkStatus();
 }
 
 absl::Status GPTConfig::ValidateMoe() const {
@@ -197,6 +231,15 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
                             {&lp.ln1_b, w.ln1_b},
                             {&lp.qkv_w, w.qkv_w},
                             {&lp.qkv_b, w.qkv_b},
+                            {&lp.mla_q_proj, w.mla_q_proj},  // MLA's, in Create's order
+                            {&lp.mla_q_down, w.mla_q_down},
+                            {&lp.mla_q_up, w.mla_q_up},
+                            {&lp.mla_kv_down, w.mla_kv_down},
+                            {&lp.mla_kv_up, w.mla_kv_up},
+                            {&lp.mla_q_norm_w, w.mla_q_norm_w},
+                            {&lp.mla_q_norm_b, w.mla_q_norm_b},
+                            {&lp.mla_kv_norm_w, w.mla_kv_norm_w},
+                            {&lp.mla_kv_norm_b, w.mla_kv_norm_b},
                             {&lp.q_norm_w, w.q_norm_w},
                             {&lp.q_norm_b, w.q_norm_b},
                             {&lp.k_norm_w, w.k_norm_w},
@@ -279,6 +322,32 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
 }
 }  // namespace
 
+namespace {
+// A multi-latent attention layer's tensors (LayerParams' mla_*), in MLASelfAttention's registration order:
+// linear_q_proj or linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then the
+// latents' norms (--qk-layernorm). Every projection on init_method's normal, without bias.
+template <typename AddIf>
+void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, AddIf& add_if, LayerParams* lp) {
+  const std::string a = p + "self_attention.";
+  const int64_t c = cf.hidden_size, qr = cf.q_lora_rank, kvr = cf.kv_lora_rank;
+  const int64_t q_rows = cf.num_attention_heads * cf.mla_q_head_dim();
+  const bool lora = qr > 0, ln = cf.normalization == Normalization::kLayerNorm, norms = cf.qk_layernorm;
+  const double std = cf.init_method_std;
+  using Shape = std::vector<int64_t>;
+  lp->qkv_w = lp->qkv_b = -1;
+  lp->mla_q_proj = add_if(!lora, a + "linear_q_proj.weight", Shape{q_rows, c}, std);
+  lp->mla_q_down = add_if(lora, a + "linear_q_down_proj.weight", Shape{qr, c}, std);
+  lp->mla_q_up = add_if(lora, a + "linear_q_up_proj.weight", Shape{q_rows, qr}, std);
+  lp->mla_kv_down = add_if(true, a + "linear_kv_down_proj.weight", Shape{kvr + cf.qk_pos_emb_head_dim, c}, std);
+  lp->mla_kv_up = add_if(true, a + "linear_kv_up_proj.weight",
+                         Shape{cf.num_attention_heads * (cf.qk_head_dim + cf.v_head_dim), kvr}, std);
+  lp->mla_q_norm_w = add_if(lora && norms, a + "q_layernorm.weight", Shape{qr}, 0.0, one);
+  lp->mla_q_norm_b = add_if(lora && norms && ln, a + "q_layernorm.bias", Shape{qr}, 0.0);
+  lp->mla_kv_norm_w = add_if(norms, a + "kv_layernorm.weight", Shape{kvr}, 0.0, one);
+  lp->mla_kv_norm_b = add_if(norms && ln, a + "kv_layernorm.bias", Shape{kvr}, 0.0);
+}
+}  // namespace
+
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
                                                 const PipelineStage& stage, int expert_size, int expert_rank) {
   if (expert_size != 1 || expert_rank != 0) {
@@ -296,6 +365,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(
         fmt::format("--num-attention-heads ({}) must be a multiple of --tensor-model-parallel-size ({})",
                     config.num_attention_heads, tensor_size));
+  if (config.mla() && tensor_size > 1)
+    return absl::InvalidArgumentError(fmt::format(
+        "--multi-latent-attention with --tensor-model-parallel-size {}: multi-latent attention runs on one tensor rank",
+        tensor_size));
   if (config.moe() && tensor_size > 1)
     return absl::InvalidArgumentError(fmt::format(
         "--num-experts {} with --tensor-model-parallel-size {}: the mixture-of-experts layers run on one tensor rank",
@@ -318,8 +391,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   const int64_t c = config.hidden_size, f = config.ffn_hidden_size, vp = config.padded_vocab_size;
   // This rank's rows of QKV (whole query groups: their query heads, key and value, Megatron's order),
   // the attention's width it holds (proj's columns), fc1's rows ([gate; up] under SwiGLU) and fc2's columns.
-  const int64_t T = tensor_size, qkv_t = config.qkv_rows() / T,
-                att_t = config.num_attention_heads * config.head_dim() / T, ft = f / T,
+  const int64_t T = tensor_size, qkv_t = config.qkv_rows() / T, att_t = config.attention_width() / T, ft = f / T,
                 fc1_t = (config.swiglu ? 2 : 1) * ft, vt = vp / T;
   const int fc1_chunks = config.swiglu ? 2 : 1;
   const bool ln = config.normalization == Normalization::kLayerNorm, bias = config.add_bias_linear;
@@ -372,17 +444,22 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     LayerParams lp;
     lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, one);
     lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
-    lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
-    lp.qkv_b =
-        add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
+    if (config.mla()) {
+      AddMlaParams(config, p, one, add_if, &lp);
+    } else {
+      lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
+      lp.qkv_b =
+          add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
+    }
     // --qk-layernorm: whole on every tensor rank (each rank's heads' share of their gradients is
     // summed over the tensor group: NonTensorParallelGradRanges), registered after linear_qkv as
     // Megatron's SelfAttention does.
     const std::vector<int64_t> hd{config.head_dim()};
-    lp.q_norm_w = add_if(config.qk_layernorm, p + "self_attention.q_layernorm.weight", hd, 0.0, one);
-    lp.q_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.q_layernorm.bias", hd, 0.0);
-    lp.k_norm_w = add_if(config.qk_layernorm, p + "self_attention.k_layernorm.weight", hd, 0.0, one);
-    lp.k_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.k_layernorm.bias", hd, 0.0);
+    const bool qk_norm = config.qk_layernorm && !config.mla();  // MLA's norms are its latents'
+    lp.q_norm_w = add_if(qk_norm, p + "self_attention.q_layernorm.weight", hd, 0.0, one);
+    lp.q_norm_b = add_if(qk_norm && ln, p + "self_attention.q_layernorm.bias", hd, 0.0);
+    lp.k_norm_w = add_if(qk_norm, p + "self_attention.k_layernorm.weight", hd, 0.0, one);
+    lp.k_norm_b = add_if(qk_norm && ln, p + "self_attention.k_layernorm.bias", hd, 0.0);
     lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, one);

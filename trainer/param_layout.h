@@ -93,9 +93,35 @@ struct GPTConfig {
   double moe_router_topk_scaling_factor = 0;
   // Group-limited routing (--moe-router-num-groups, --moe-router-group-topk; group topk 0: none).
   int64_t moe_router_num_groups = 0, moe_router_group_topk = 0;
+  // Megatron's multi-latent attention (--multi-latent-attention, MLATransformerConfig; DeepSeek-V2/V3):
+  // each layer's attention is MLASelfAttention of megatron-core's local spec (trainer/cpu/mla_cpu.h):
+  // queries from linear_q_proj, or through a q_lora_rank latent (0: Megatron's None); keys and values
+  // through a kv_lora_rank latent whose projection also gives the shared rotary key of
+  // qk_pos_emb_head_dim channels; per head qk_head_dim + qk_pos_emb_head_dim query and key channels and
+  // v_head_dim value channels; with qk_layernorm the norms of both latents (q_layernorm, kv_layernorm).
+  // The rotary embedding is MLA's own (whatever position_embedding is): --rope-type rope (mla_yarn false)
+  // or yarn, and the softmax scale mscale^2 / sqrt(qk + pe) with mscale = _yarn_get_mscale(
+  // rotary_scaling_factor, mscale_all_dim). Megatron-LM's defaults.
+  bool multi_latent_attention = false;
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 32;
+  int64_t qk_head_dim = 128;
+  int64_t qk_pos_emb_head_dim = 64;
+  int64_t v_head_dim = 128;
+  bool mla_yarn = true;  // MLATransformerConfig's rope_type default
+  double rotary_scaling_factor = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
 
   absl::Status Validate() const;
   absl::Status ValidateMoe() const;  // the mixture-of-experts settings (Validate's last part)
+  absl::Status ValidateMla() const;  // the multi-latent attention settings
+  bool mla() const { return multi_latent_attention; }
+  int64_t mla_q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+  // MLA's core attention scale (MultiLatentAttention.softmax_scale).
+  double MlaSoftmaxScale() const;
+  // The attention's output width (linear_proj's input): heads x head_dim, under MLA heads x v_head_dim.
+  int64_t attention_width() const { return num_attention_heads * (mla() ? v_head_dim : head_dim()); }
   bool moe() const { return num_experts > 0; }
   bool moe_layer(int64_t l) const {
     return moe() && (moe_layer_pattern.empty() || moe_layer_pattern[static_cast<size_t>(l)] != 0);
@@ -121,12 +147,16 @@ struct GPTConfig {
             rotary_interleaved};
   }
   // Rows of the QKV projection: query heads plus a key and a value head per group.
-  int64_t qkv_rows() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
+  // Under MLA the fused buffer the core attention reads (per head its query, key and value).
+  int64_t qkv_rows() const {
+    if (mla()) return num_attention_heads * (2 * mla_q_head_dim() + v_head_dim);
+    return (num_attention_heads + 2 * query_groups()) * head_dim();
+  }
   // Megatron's GPT-3 model (every setting of the Llama line at its default).
   bool gpt3() const {
     return normalization == Normalization::kLayerNorm && position_embedding == PositionEmbedding::kLearnedAbsolute &&
            !swiglu && query_groups() == num_attention_heads && head_dim() * num_attention_heads == hidden_size &&
-           add_bias_linear && !qk_layernorm;
+           add_bias_linear && !qk_layernorm && !mla();
   }
 };
 
@@ -191,6 +221,10 @@ struct LayerParams {
   // A mixture-of-experts layer (GPTConfig::moe_layer; fc1 and fc2 are then -1): the router's weight,
   // and the experts' weights (expert j's fc1 then fc2 at experts + j x GPTConfig::expert_floats()).
   int64_t router_w = -1, experts = -1;
+  // A multi-latent attention layer (GPTConfig::mla; qkv_w and qkv_b are then -1): its projections and
+  // latent norms (q_proj without a q_lora_rank, q_down, q_up and q_norm with one; norms with qk_layernorm).
+  int64_t mla_q_proj = -1, mla_q_down = -1, mla_q_norm_w = -1, mla_q_norm_b = -1, mla_q_up = -1;
+  int64_t mla_kv_down = -1, mla_kv_norm_w = -1, mla_kv_norm_b = -1, mla_kv_up = -1;
 };
 
 // Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by

@@ -143,6 +143,22 @@ Settings MoeSettingsOf(const GPTConfig& m) {
   };
 }
 
+// Multi-latent attention's (only with it: another run's settings read as before).
+Settings MlaSettingsOf(const GPTConfig& m) {
+  return {
+      {"--multi-latent-attention", "on"},
+      {"--q-lora-rank", m.q_lora_rank > 0 ? std::to_string(m.q_lora_rank) : "none"},
+      {"--kv-lora-rank", std::to_string(m.kv_lora_rank)},
+      {"--qk-head-dim", std::to_string(m.qk_head_dim)},
+      {"--qk-pos-emb-head-dim", std::to_string(m.qk_pos_emb_head_dim)},
+      {"--v-head-dim", std::to_string(m.v_head_dim)},
+      {"--rope-type", m.mla_yarn ? "yarn" : "rope"},
+      {"--rotary-scaling-factor", Num(m.rotary_scaling_factor)},
+      {"--mscale", Num(m.mscale)},
+      {"--mscale-all-dim", Num(m.mscale_all_dim)},
+  };
+}
+
 // The parallel layout's and the batch's.
 Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
   return {
@@ -291,6 +307,10 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
   if (o.model.moe()) {
     const Settings moe = MoeSettingsOf(o.model);
     all.insert(all.end(), moe.begin(), moe.end());
+  }
+  if (o.model.mla()) {
+    const Settings mla = MlaSettingsOf(o.model);
+    all.insert(all.end(), mla.begin(), mla.end());
   }
   for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})
     all.insert(all.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));

@@ -348,6 +348,15 @@ double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
   // Megatron's num_floating_point_operations: 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) * q/h
   // + ffn/h * (3/2 with SwiGLU) + V/(2 l h)), q = kv_channels * heads the query projection's size.
   const double q_ratio = static_cast<double>(c.head_dim()) * heads / h, gated = c.swiglu ? 1.5 : 1.0;
+  if (c.mla()) {  // Megatron's MLA terms in place of the attention's: 6 x (projections + s x core) per token and layer
+    const double qr = static_cast<double>(c.q_lora_rank), kvr = static_cast<double>(c.kv_lora_rank),
+                 dq = static_cast<double>(c.mla_q_head_dim()), dv = static_cast<double>(c.v_head_dim);
+    const double q = c.q_lora_rank > 0 ? qr * (h + heads * dq + 1) : h * heads * dq;
+    const double proj = q + kvr * (h + heads * (static_cast<double>(c.qk_head_dim) + dv) + 1) +
+                        h * static_cast<double>(c.qk_pos_emb_head_dim) + heads * dv * h;
+    const double core = heads * dq / 2 + heads * dv / 2;
+    return b * s * l * 6.0 * (proj + s * core) + 12.0 * b * s * l * h * f * gated + 6.0 * b * s * h * v;
+  }
   return 12.0 * b * s * l * h * h *
          ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
 }

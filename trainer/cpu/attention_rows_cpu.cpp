@@ -23,12 +23,17 @@ namespace ptk::cpu {
 namespace {
 
 // Columns of head h's query and of its group's key in a token's QKV row (per group: its
-// per_group query heads, the key, the value).
-int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+// per_group query heads, the key, the value; the value vd wide).
+int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd, int64_t vd) {
+  return h / per_group * ((per_group + 1) * hd + vd) + h % per_group * hd;
 }
-int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + per_group) * hd;
+int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd, int64_t vd) {
+  return h / per_group * ((per_group + 1) * hd + vd) + per_group * hd;
+}
+// The scores' scale: 1 / sqrt(hd), or the shape's own (multi-latent attention's).
+template <typename T>
+T ScoreScale(const AttentionShape& s) {
+  return static_cast<T>(s.scale > 0 ? s.scale : 1.0 / std::sqrt(static_cast<double>(s.hd)));
 }
 
 // Dropout of the causal part of a (tq, t) block in place, row i being position qpos[i]: its mask is
@@ -88,15 +93,15 @@ GemmTileFilter AttendedTiles(const int64_t* qpos, MaskedKeys keys) {
 template <typename T>
 void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const int64_t* qpos, int64_t tq,
                           const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams, MaskedKeys keys) {
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const int64_t t = s.t, hd = s.hd, vd = s.v_dim(), c = s.nh * vd, w = s.qkv_width(), per_group = s.nh / s.groups();
+  const T scale = ScoreScale<T>(s);
   const GemmTileFilter attended = AttendedTiles(qpos, keys);
   tbb::enumerable_thread_specific<std::vector<T>> dropped_of(p > 0.0 ? static_cast<size_t>(tq * t) : 0);
   tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
     const int64_t b = bh / s.nh, h = bh % s.nh;
     tbb::this_task_arena::isolate([&] {  // no other head on this thread while Gemm's tiles run
-      const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
-      const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
+      const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd, vd);
+      const T* k = kv + b * t * w + KeyColumn(h, per_group, hd, vd);
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
       GemmTiles<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t, attended);
@@ -108,7 +113,7 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
         DropoutQueryRows(dropped.data(), qpos, tq, t, p, seed, streams[b] + static_cast<uint64_t>(h));
         pv = dropped.data();
       }
-      Gemm<T>(false, false, tq, hd, t, T(1), pv, t, v, w, T(0), out + b * tq * c + h * hd, c);
+      Gemm<T>(false, false, tq, vd, t, T(1), pv, t, v, w, T(0), out + b * tq * c + h * vd, c);
     });
   });
 }
@@ -117,8 +122,8 @@ template <typename T>
 void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, const T* kv, const T* probs,
                            const int64_t* qpos, int64_t tq, const AttentionShape& s, double p, uint64_t seed,
                            const uint64_t* streams, MaskedKeys keys) {
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const int64_t t = s.t, hd = s.hd, vd = s.v_dim(), c = s.nh * vd, w = s.qkv_width(), per_group = s.nh / s.groups();
+  const T scale = ScoreScale<T>(s);
   const GemmTileFilter attended = AttendedTiles(qpos, keys);
   // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
   tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
@@ -129,14 +134,14 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
     tbb::this_task_arena::isolate([&] {
       for (int64_t h = bg % s.groups() * per_group; h < (bg % s.groups() + 1) * per_group; ++h) {
         const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
-        const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
-        const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
+        const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd, vd);
+        const T* k = kv + b * t * w + KeyColumn(h, per_group, hd, vd);
         const T* v = k + hd;
-        T* dq = dq_rows + b * tq * w + QueryColumn(h, per_group, hd);
-        T* dk = dkv + b * t * w + KeyColumn(h, per_group, hd);
+        T* dq = dq_rows + b * tq * w + QueryColumn(h, per_group, hd, vd);
+        T* dk = dkv + b * t * w + KeyColumn(h, per_group, hd, vd);
         T* dv = dk + hd;
         const T acc = h % per_group == 0 ? T(0) : T(1);  // the group's first head assigns, the others add
-        const T* dy = dout + b * tq * c + h * hd;
+        const T* dy = dout + b * tq * c + h * vd;
         const T* pr = probs + (b * s.nh + h) * tq * t;
         const T* pv = pr;
         if (p > 0.0) {
@@ -144,8 +149,8 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
           DropoutQueryRows(pd, qpos, tq, t, p, seed, stream);
           pv = pd;
         }
-        Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);                 // dV = P'^T dY
-        GemmTiles<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t, attended);  // dP' = dY V^T
+        Gemm<T>(true, false, t, vd, tq, T(1), pv, t, dy, c, acc, dv, w);                 // dV = P'^T dY
+        GemmTiles<T>(false, true, tq, t, vd, T(1), dy, c, v, w, T(0), dp, t, attended);  // dP' = dY V^T
         DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);                              // dP = dropout(dP')
         for (int64_t i = 0; i < tq; ++i) SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/mla_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 #include "trainer/cpu/ops_cpu.h"
 
@@ -37,9 +38,15 @@ struct CpuGPTModel::Activations {
   // the dispatch's gathered buffer.
   std::vector<cpu::MoeActivations<float>> moe_ep;
   std::vector<float> ep_buf;
+  // Multi-latent attention layers' latents (trainer/cpu/mla_cpu.h), and MLA's rotary tables (t, pe / 2).
+  std::vector<cpu::MlaActivations<float>> mla;
+  std::vector<float> mla_cos, mla_sin;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };
+
+// The core attention's shape of a multi-latent attention layer (cpu_mla_layer.cpp).
+AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t);
 
 // The masked loss sum and token count of a pass's per-token losses.
 inline LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n) {

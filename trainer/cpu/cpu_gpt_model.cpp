@@ -198,6 +198,7 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
         batch.t, C, C));
   if (cp()) context_positions_ = ContextParallelPositions(batch.t * C, static_cast<int>(C), context_comm_->rank());
   SizeActivations(layout_, chunk_, sequence_parallel_, batch.b, batch.t, C, &a);
+  if (config().mla()) PrepareMla(batch.t);
   if (config().rope()) {  // the rotary tables of this sequence length (a context rank's: its positions' rows)
     const GPTConfig& cf = config();
     const int64_t half = cf.rotary_dim() / 2;
@@ -223,9 +224,9 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
     if (a != nullptr) (a->*field).assign(static_cast<size_t>(size), 0.0f);
   };
   // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
-  const int64_t T = layout.tensor_size, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
-                qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
-                vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout.layers.size());
+  const int64_t T = layout.tensor_size, c = cf.hidden_size, ct = cf.attention_width() / T, qkv = cf.qkv_rows() / T,
+                f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
+                L = static_cast<int64_t>(layout.layers.size());
   // Context parallelism: the attention of these t positions over the whole samples (t × context).
   const int64_t probs = b * (cf.num_attention_heads / T) * t * t * context;
   // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
@@ -248,10 +249,11 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   per_layer(&Activations::ln1_mean, L, rows);
   per_layer(&Activations::ln1_rstd, L, rows);
   per_layer(&Activations::qkv, L, n * qkv);
-  const int64_t qk_rows = cf.qk_layernorm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
-  per_layer(&Activations::qkv_raw, cf.qk_layernorm ? L : 0, n * qkv);
-  per_layer(&Activations::qk_mean, cf.qk_layernorm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
-  per_layer(&Activations::qk_rstd, cf.qk_layernorm ? L : 0, qk_rows);
+  const bool qk_norm = cf.qk_layernorm && !cf.mla();  // MLA's norms are its latents' (MlaActivations)
+  const int64_t qk_rows = qk_norm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
+  per_layer(&Activations::qkv_raw, qk_norm ? L : 0, n * qkv);
+  per_layer(&Activations::qk_mean, qk_norm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
+  per_layer(&Activations::qk_rstd, qk_norm ? L : 0, qk_rows);
   per_layer(&Activations::probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(&Activations::atty, L, n * ct);
   per_layer(&Activations::ln2, L, rows * c);
@@ -296,6 +298,13 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
       const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn(), fm1 = (cf.swiglu ? 2 : 1) * fm;
       floats += 3 * n * E + 4 * n * K + E + 1 + n * K * (4 * c + 2 * fm1 + 3 * fm);  // integers counted as floats
     }
+  if (a != nullptr) a->mla.assign(static_cast<size_t>(cf.mla() ? L : 0), {});
+  if (cf.mla()) {  // what MlaActivations holds after a pass (mla_cpu.cpp's sizes), and MLA's rotary tables
+    cpu::MlaSettings s;
+    s.b = b, s.t = t, s.q_lora = cf.q_lora_rank, s.kv_lora = cf.kv_lora_rank, s.pe = cf.qk_pos_emb_head_dim;
+    s.norms = cf.qk_layernorm, s.rms = cf.normalization == Normalization::kRMSNorm;
+    floats += (std::min(l1, L) - l0) * cpu::MlaActivationFloats(s) + t * s.pe;
+  }
   if (a != nullptr) {
     a->targets.assign(static_cast<size_t>(n), 0);
     a->streams.assign(static_cast<size_t>(b), 0);
@@ -329,6 +338,10 @@ int64_t CpuGPTModel::ActivationFloats() const {
       floats += static_cast<int64_t>(v->size());
     floats += static_cast<int64_t>(m.expert.size() + m.order.size() + m.begin.size());
   }
+  for (const cpu::MlaActivations<float>& m : a.mla)
+    for (const auto* v : {&m.qd, &m.qn, &m.q_mean, &m.q_rstd, &m.kvd, &m.kvc, &m.kvn, &m.kv_mean, &m.kv_rstd})
+      floats += static_cast<int64_t>(v->size());
+  floats += static_cast<int64_t>(a.mla_cos.size() + a.mla_sin.size());
   return floats;
 }
 

@@ -143,6 +143,12 @@ class CpuGPTModel final : public GPTModel {
   absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train);
   absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;
+  // A multi-latent attention layer's projections (cpu_mla_layer.cpp): act_->qkv[l] (the core attention's
+  // per-head query, key and value) from act_->ln1[l]; backward from act_->dqkv, ln1's output gradient
+  // assigned to act_->dln. PrepareMla makes the rotary tables of the batch's length.
+  void MlaQkvForward(int64_t l, const LayerParams& lp);
+  void MlaQkvBackward(int64_t l, const LayerParams& lp);
+  void PrepareMla(int64_t t);
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);
 

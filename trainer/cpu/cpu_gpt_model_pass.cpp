@@ -59,12 +59,13 @@ PassDims DimsOf(const ParamLayout& layout, const ModelBatch& batch, bool train) 
   const int64_t T = layout.tensor_size;
   return {batch.b * batch.t,
           cf.hidden_size,
-          cf.num_attention_heads * cf.head_dim() / T,
+          cf.attention_width() / T,
           cf.ffn_hidden_size / T,
           cf.padded_vocab_size / T,
           train ? cf.hidden_dropout : 0.0,
           train ? cf.attention_dropout : 0.0,
-          AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T},
+          cf.mla() ? MlaAttentionShape(cf, batch.b, batch.t)
+                   : AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T},
           static_cast<uint64_t>(cf.num_layers)};
 }
 // A row-parallel product's bias, added once after the sum over the tensor group.
@@ -127,12 +128,16 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, n, c);
-    cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
-                       shape.qkv_width());
-    QKNormLayerForward(cf, a, l, P, lp, shape);
-    if (cf.rope())
-      cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
-                       cf.rotary_interleaved);
+    if (cf.mla()) {  // multi-latent attention: its own projections and rotary embedding
+      MlaQkvForward(l, lp);
+    } else {
+      cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
+                         shape.qkv_width());
+      QKNormLayerForward(cf, a, l, P, lp, shape);
+      if (cf.rope())
+        cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
+                         cf.rotary_interleaved);
+    }
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cp())
@@ -177,6 +182,7 @@ absl::Status CpuGPTModel::LayerAttentionBackward(int64_t l, const LayerParams& l
         ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
   else
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
+  if (cf.mla()) return absl::OkStatus();  // MLA's rotary embedding is in its projections' backward
   if (cf.rope())
     cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
                       cf.rotary_interleaved);
@@ -240,9 +246,13 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                         n, ct, c);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
-    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
-                        shape.qkv_width());
+    if (cf.mla()) {
+      MlaQkvBackward(l, lp);
+    } else {
+      std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+      cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n,
+                          c, shape.qkv_width());
+    }
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
                  a.ln1_rstd[l].data(), n, c);

@@ -1,0 +1,205 @@
+// ptk-train's multi-latent attention end to end (--multi-latent-attention, CPU): checkpoints under Megatron's
+// MLA names that resume bit for bit, the MLA flags taken by --use-checkpoint-args and other MLA flags refused
+// on --load as another model, ptk-convert's refusal, data and pipeline ranks (processes over loopback gloo)
+// training as one rank does, --dry-run's parameter count against megatron-core's (the golden's tensors), and
+// every combination not implemented refused in one line naming it.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+constexpr char kMla[] =
+    " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
+    " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+
+class MlaTrainCli : public testing::RanksTest {
+ protected:
+  MlaTrainCli() : RanksTest(testing::kSmallVocabEod) {}
+  std::string Train(const std::string& extra, int64_t iters = 6, int layers = 2) {
+    return testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
+           " --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + kMla + " " + extra;
+  }
+  static GPTConfig Model(int layers = 2) {
+    GPTConfig c = testing::TinyModel(1000, 1024);
+    c.num_layers = layers;
+    c.normalization = Normalization::kRMSNorm;
+    c.qk_layernorm = true;
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 12;
+    c.qk_head_dim = 8;
+    c.qk_pos_emb_head_dim = 4;
+    c.v_head_dim = 6;
+    c.mla_yarn = false;
+    return c;
+  }
+};
+
+TEST_F(MlaTrainCli, TrainsAndSavesMegatronsNames) {
+  auto r = RunCmd(Train("--save " + ShellQuote(dir_ / "ck"), 4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::LossesOf(r.output).size(), 4u) << r.output;
+  GPTConfig c = Model();
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const char* name :
+       {"linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+        "kv_layernorm.weight", "linear_kv_up_proj.weight", "linear_proj.weight"})
+    EXPECT_NE(layout->Find(std::string("decoder.layers.1.self_attention.") + name), nullptr) << name;
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status loaded = LoadCheckpoint(dir_ / "ck", 4, *layout, &p, &m, &v, &st);
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  c.q_lora_rank = 0;  // another query path is another model
+  auto other = ParamLayout::Create(c);
+  EXPECT_FALSE(LoadCheckpoint(dir_ / "ck", 4, *other, &p, &m, &v, &st).ok());
+  for (const char* saver : {"hf", "megatron"}) {
+    const std::string out = dir_ / (std::string("export-") + saver);
+    auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(out));
+    EXPECT_NE(e.exit_code, 0) << e.output;
+    EXPECT_NE(e.output.find("a multi-latent attention model (--multi-latent-attention): ptk-convert does not export "
+                            "MLA checkpoints"),
+              std::string::npos)
+        << e.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << saver;
+  }
+}
+
+TEST_F(MlaTrainCli, AStoppedRunResumesBitForBitAndOtherMlaFlagsAreAnotherModel) {
+  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  ASSERT_EQ(b.size(), 3u) << resumed.output;
+  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  // --use-checkpoint-args takes the MLA flags the command line leaves out.
+  const std::string bare = testing::Tool("ptk-train") + " --micro-batch-size 1 " + testing::SmallVocabFlags() +
+                           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine"
+                           " --lr-warmup-iters 1 --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1"
+                           " --log-interval 1 --threads 1 --train-iters 6 --data-path " +
+                           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") +
+                           " --use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
+  auto taken = RunCmd(bare);
+  ASSERT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), b);
+  EXPECT_NE(taken.output.find("--multi-latent-attention on, --q-lora-rank 16, --kv-lora-rank 12, --qk-head-dim 8, "
+                              "--qk-pos-emb-head-dim 4, --v-head-dim 6, --rope-type rope"),
+            std::string::npos)
+      << taken.output;
+  auto differs = RunCmd(bare + " --kv-lora-rank 8");
+  EXPECT_EQ(differs.exit_code, 2) << differs.output;
+  EXPECT_NE(differs.output.find("--use-checkpoint-args: --kv-lora-rank 8 differs from the checkpoint's --kv-lora-rank "
+                                "12"),
+            std::string::npos)
+      << differs.output;
+  for (const char* other : {" --q-lora-rank 8", " --rope-type yarn", " --v-head-dim 4", " --mscale-all-dim 1"}) {
+    auto r = RunCmd(Train(std::string(other) + " --load " + ShellQuote(dir_ / "ck")));
+    EXPECT_NE(r.exit_code, 0) << other;
+    EXPECT_NE(r.output.find("the checkpoint is of another model"), std::string::npos) << other << "\n" << r.output;
+  }
+}
+
+// Two data ranks, and two pipeline stages (one layer each), give one rank's losses.
+TEST_F(MlaTrainCli, DataAndPipelineRanksTrainAsOneRankDoes) {
+  auto one = RunCmd(Train(""));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = testing::LossesOf(one.output);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(""), ref, 6, 1e-5, "D=2", &out));
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--pipeline-model-parallel-size 2"), ref, 6, 1e-5, "P=2", &out));
+}
+
+// megatron-core's parameter count of tests/data/trainer/mla_lora's model (its golden's tensors).
+TEST_F(MlaTrainCli, DryRunCountsParametersAsMegatron) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/mla_lora.json");
+  int64_t megatron = 0;
+  for (auto name : meta["param_order"].get_array()) {
+    int64_t n = 1;
+    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
+      n *= int64_t(d);
+    megatron += n;
+  }
+  auto r = RunCmd(testing::Tool("ptk-train") +
+                  " --dry-run --num-layers 2 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
+                  " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
+                  " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
+                  " --train-iters 1 --lr 1e-3 --disable-bias-linear --swiglu --normalization RMSNorm"
+                  " --position-embedding-type rope --multi-latent-attention --q-lora-rank 8 --kv-lora-rank 6"
+                  " --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --rope-type rope");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
+                                                                                                    << r.output;
+}
+
+TEST_F(MlaTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
+  const std::string base = testing::Tool("ptk-train") +
+                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
+                           testing::SmallVocabFlags();
+  const std::string mla =
+      " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4"
+      " --v-head-dim 4";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {mla + " --tensor-model-parallel-size 2",
+       "usage error: --multi-latent-attention with --tensor-model-parallel-size 2: ptk's multi-latent attention"},
+      {mla + " --context-parallel-size 2", "usage error: --multi-latent-attention with --context-parallel-size 2:"},
+      {mla + " --device cuda", "usage error: --multi-latent-attention on --device cuda: the CUDA backend has no"},
+      {mla + " --dry-run --bf16", "usage error: --multi-latent-attention on --device cuda"},
+      {mla + " --dry-run --tensor-model-parallel-size 2", "--multi-latent-attention with --tensor-model-parallel"},
+      {mla + " --rope-type ntk", "usage error: --rope-type ntk: rope or yarn"},
+      {" --rope-type yarn", "usage error: --rope-type yarn without --multi-latent-attention: Megatron's common"},
+      {mla + " --qk-pos-emb-head-dim 3", "usage error: --qk-pos-emb-head-dim 3: the rotary channels come in pairs"},
+      {mla + " --kv-lora-rank 0", "usage error: --kv-lora-rank"},
+      {mla + " --group-query-attention --num-query-groups 2",
+       "usage error: --multi-latent-attention with --group-query-attention"},
+      {mla + " --position-embedding-type rope --rotary-percent 0.5",
+       "usage error: --multi-latent-attention with --rotary-percent 0.5"},
+      {mla + " --position-embedding-type rope --rotary-interleaved",
+       "usage error: --multi-latent-attention with --rotary-interleaved"},
+      {mla + " --position-embedding-type rope --use-rope-scaling",
+       "usage error: --multi-latent-attention with --use-rope-scaling"},
+      {mla + " --cache-mla-latents", "usage error: --multi-latent-attention with --cache-mla-latents: an inference"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+  }
+  // Accepted with their notes: yarn by default, the latents without norms (the local spec's), and MLA's flags
+  // without --multi-latent-attention (as Megatron).
+  auto r = RunCmd(base + mla + " --train-iters 1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --multi-latent-attention without --rope-type: yarn"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("note: --multi-latent-attention without --qk-layernorm"), std::string::npos) << r.output;
+  auto plain = RunCmd(base + " --kv-lora-rank 8 --mscale 0.5 --train-iters 1");
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("accepted, no effect without --multi-latent-attention"), std::string::npos)
+      << plain.output;
+}
+
+}  // namespace
+}  // namespace ptk
