@@ -41,9 +41,11 @@ void AddMlaFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--rotary-scaling-factor", m.rotary_scaling_factor,
                   "MLA: YaRN's scaling factor, and (above 1) with --mscale-all-dim the softmax scale's (default 1)")
       ->check(cli::Positive());
-  app->add_option("--mscale", m.mscale, "MLA with YaRN: the concentration factor's mscale (default 1)");
+  app->add_option("--mscale", m.mscale, "MLA with YaRN: the concentration factor's mscale (default 1)")
+      ->check(cli::RealIn(-1e6, true, 1e6, true));
   app->add_option("--mscale-all-dim", m.mscale_all_dim,
-                  "MLA: YaRN's mscale_all_dim, also in the softmax scale mscale^2 / sqrt(qk + pe) (default 0)");
+                  "MLA: YaRN's mscale_all_dim, also in the softmax scale mscale^2 / sqrt(qk + pe) (default 0)")
+      ->check(cli::RealIn(-1e6, true, 1e6, true));
 }
 
 absl::Status ResolveMlaFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
