@@ -66,6 +66,28 @@ struct Golden {
     return c;
   }
 
+  // The reference's initial weights (tensors "init:NAME") in `layout`'s order, each tensor's size checked.
+  std::vector<float> InitWeights(const ParamLayout& layout) {
+    std::vector<float> w(static_cast<size_t>(layout.num_params));
+    for (const ParamInfo& p : layout.infos) {
+      std::vector<float> t = Tensor<float>("init:" + p.name);
+      EXPECT_EQ(static_cast<int64_t>(t.size()), p.size) << p.name;
+      std::copy(t.begin(), t.end(), w.begin() + p.offset);
+    }
+    return w;
+  }
+  int64_t GlobalBatch() { return Int("micro_batch_size") * Int("num_micro_batches"); }
+  // The megatron-core goldens' schedule (gen_moe_golden.py's kind): lr constant over their few steps.
+  SchedulerConfig ConstantSchedule() {
+    SchedulerConfig s;
+    s.init_lr = s.max_lr = Num("lr");
+    s.min_lr = Num("min_lr");
+    s.decay_steps = 100 * GlobalBatch();
+    s.decay_style = "constant";
+    s.start_wd = s.end_wd = Num("weight_decay");
+    return s;
+  }
+
   // The reference's AdamW (with clipping) and Megatron's cosine schedule, counted in samples.
   OptimizerConfig Optimizer() {
     OptimizerConfig o;

@@ -60,12 +60,7 @@ class LlamaGolden : public ::testing::TestWithParam<std::string> {
     auto m = CpuGPTModel::Create(c, tensor, sequence_parallel);
     EXPECT_TRUE(m.ok()) << m.status();
     auto whole_layout = ParamLayout::Create(c);
-    std::vector<float> whole(whole_layout->num_params);
-    for (const ParamInfo& p : whole_layout->infos) {
-      std::vector<float> w = g_.Tensor<float>("init:" + p.name);
-      EXPECT_EQ(static_cast<int64_t>(w.size()), p.size) << p.name;
-      std::copy(w.begin(), w.end(), whole.begin() + p.offset);
-    }
+    const std::vector<float> whole = g_.InitWeights(*whole_layout);
     std::vector<float> mine((*m)->num_params());
     CopyToShard((*m)->layout(), whole, mine);
     EXPECT_TRUE((*m)->WriteParams(mine).ok());

@@ -61,30 +61,16 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<CpuGPTModel> MakeModel() {
     auto m = CpuGPTModel::Create(config_);
     EXPECT_TRUE(m.ok()) << m.status();
-    std::vector<float> w((*m)->num_params());
-    for (const ParamInfo& p : (*m)->params_info()) {
-      std::vector<float> t = g_.Tensor<float>("init:" + p.name);
-      EXPECT_EQ(static_cast<int64_t>(t.size()), p.size) << p.name;
-      std::copy(t.begin(), t.end(), w.begin() + p.offset);
-    }
-    EXPECT_TRUE((*m)->WriteParams(w).ok());
+    EXPECT_TRUE((*m)->WriteParams(g_.InitWeights((*m)->layout())).ok());
     return std::move(*m);
   }
-  SchedulerConfig Schedule() {
-    SchedulerConfig s;
-    s.init_lr = s.max_lr = g_.Num("lr");
-    s.min_lr = g_.Num("min_lr");
-    s.decay_steps = 100 * GlobalBatch();
-    s.decay_style = "constant";
-    s.start_wd = s.end_wd = g_.Num("weight_decay");
-    return s;
-  }
+  SchedulerConfig Schedule() { return g_.ConstantSchedule(); }
   OptimizerConfig Optimizer() {
     OptimizerConfig o = g_.Optimizer();
     o.calculate_per_token_loss = g_.meta["config"]["calculate_per_token_loss"].get_bool();
     return o;
   }
-  int64_t GlobalBatch() { return g_.Int("micro_batch_size") * g_.Int("num_micro_batches"); }
+  int64_t GlobalBatch() { return g_.GlobalBatch(); }
   double Want(int64_t step, const char* key) {
     double v = 0;  // 0 for a z_loss the goldens written before the router's options lack (they have none)
     return g_.meta["steps"].at(step)[key].get(v) ? 0.0 : v;
