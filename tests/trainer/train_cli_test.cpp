@@ -1292,12 +1292,12 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
   EXPECT_EQ(qwen.exit_code, 0) << qwen.output;
   EXPECT_NE(qwen.output.find("iteration        4/       4"), std::string::npos) << qwen.output;
   auto twice =
-      RunCmd(Train("--apply-residual-connection-post-layernorm --moe-z-loss-coeff 0.1 --fp8-format hybrid", 1));
+      RunCmd(Train("--apply-residual-connection-post-layernorm --moe-input-jitter-eps 0.1 --fp8-format hybrid", 1));
   EXPECT_EQ(twice.exit_code, 2) << twice.output;
   EXPECT_NE(twice.output.find("usage error: --apply-residual-connection-post-layernorm: the residual is taken before"),
             std::string::npos)
       << twice.output;
-  EXPECT_NE(twice.output.find("also not implemented here: --fp8-format hybrid, --moe-z-loss-coeff 0.1"),
+  EXPECT_NE(twice.output.find("also not implemented here: --fp8-format hybrid, --moe-input-jitter-eps 0.1"),
             std::string::npos)
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
