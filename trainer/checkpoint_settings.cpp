@@ -167,6 +167,9 @@ std::string ModelJson(const GPTConfig& c) {
       w.Field("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
     if (c.moe_router_group_topk > 0)
       w.Field("moe_router_num_groups", c.moe_router_num_groups).Field("moe_router_group_topk", c.moe_router_group_topk);
+    if (c.moe_shared_expert_intermediate_size > 0)  // shared experts
+      w.Field("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size)
+          .Field("moe_shared_expert_gate", c.moe_shared_expert_gate);
   }
   if (c.mla()) {  // multi-latent attention's architecture and its rotary embedding
     w.Field("multi_latent_attention", true)

@@ -118,7 +118,8 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
   const double q = a * static_cast<double>(c.head_dim()), kv = static_cast<double>(c.query_groups() * c.head_dim());
   double mlp = (c.swiglu ? 3 : 2) * s * b * f;
   if (c.moe()) {  // the MoE layers' experts see each token k times (the layers' mean)
-    const double moe = static_cast<double>(c.moe_router_topk) * (c.swiglu ? 3 : 2) * s * b * c.moe_ffn(),
+    const double moe = static_cast<double>(c.moe_router_topk) * (c.swiglu ? 3 : 2) * s * b * c.moe_ffn() +
+                       (c.swiglu ? 3 : 2) * s * b * static_cast<double>(c.moe_shared_expert_intermediate_size),
                  share = static_cast<double>(c.moe_layers()) / static_cast<double>(c.num_layers);
     mlp = share * moe + (1 - share) * mlp;
   }

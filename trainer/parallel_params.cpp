@@ -109,6 +109,7 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
     PTK_CHECK(moe <= layers_on_stage);
     n -= moe * (fc1 * h + h * ffn);  // the dense MLP they hold instead (no biases with experts)
     n += moe * (c.num_experts * h + c.num_experts * c.expert_floats());
+    n += moe * c.shared_expert_floats();  // and their shared experts (0 without)
   }
   const bool first = stage == 0, last = stage == pipeline - 1;
   if (first) n += vocab_slice;

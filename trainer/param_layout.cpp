@@ -138,6 +138,9 @@ absl::Status GPTConfig::ValidateMoe() const {
                            num_layers));
   for (int v : moe_layer_pattern)
     if (v != 0 && v != 1) return bad(fmt::format("moe_layer_freq entry {}: each is 0 (dense) or 1 (experts)", v));
+  if (moe_shared_expert_intermediate_size < 0)
+    return bad(fmt::format("moe_shared_expert_intermediate_size {}: must be at least 1 (or 0: no shared experts)",
+                           moe_shared_expert_intermediate_size));
   if (add_bias_linear)
     return bad(
         "num_experts with add_bias_linear: the mixture-of-experts layers are implemented without biases "
@@ -177,6 +180,14 @@ int64_t MoeLayersOnStage(const GPTConfig& config, const PipelineStage& stage) {
 }
 
 namespace {
+// A MoE layer's shared experts' tensors (where it has them), taken in Create's order.
+template <typename Take>
+void TakeSharedExperts(const LayerParams& w, LayerParams* lp, Take& take) {
+  lp->shared_gate = take(w.shared_gate);
+  lp->shared_fc1 = take(w.shared_fc1);
+  lp->shared_fc2 = take(w.shared_fc2);
+}
+
 // A pipeline stage's tensors taken from the whole model's, in its order, at new offsets.
 absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineStage& stage) {
   const int64_t L = whole.config.num_layers, n = stage.num_layers < 0 ? L : stage.num_layers;
@@ -262,6 +273,7 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
         take(w.experts + j * ef + f1);
       }
     }
+    TakeSharedExperts(w, &lp, take);
     s.layers.push_back(lp);
   }
   if (s.post_process) {
@@ -311,8 +323,9 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
   auto move = [&](int64_t at) { return at < 0 ? -1 : moved[static_cast<size_t>(at)]; };
   for (LayerParams& lp : s.layers) {
     for (int64_t* f :
-         {&lp.ln1_w, &lp.ln1_b, &lp.qkv_w, &lp.qkv_b, &lp.proj_w, &lp.proj_b, &lp.ln2_w, &lp.ln2_b, &lp.fc1_w,
-          &lp.fc1_b, &lp.fc2_w, &lp.fc2_b, &lp.q_norm_w, &lp.q_norm_b, &lp.k_norm_w, &lp.k_norm_b, &lp.router_w})
+         {&lp.ln1_w,    &lp.ln1_b,    &lp.qkv_w,    &lp.qkv_b,      &lp.proj_w,     &lp.proj_b,     &lp.ln2_w,
+          &lp.ln2_b,    &lp.fc1_w,    &lp.fc1_b,    &lp.fc2_w,      &lp.fc2_b,      &lp.q_norm_w,   &lp.q_norm_b,
+          &lp.k_norm_w, &lp.k_norm_b, &lp.router_w, &lp.shared_fc1, &lp.shared_fc2, &lp.shared_gate})
       *f = move(*f);
     if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats());
   }
@@ -474,6 +487,13 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
         if (j == 0) lp.experts = at;
         add(e + "linear_fc2.weight", {c, fm}, out_std);
         m.infos.back().expert = true;
+      }
+      if (config.moe_shared_expert_intermediate_size > 0) {  // SharedExpertMLP: its own gate_weight, then its MLP's
+        const int64_t fs = config.moe_shared_expert_intermediate_size, fs1 = (config.swiglu ? 2 : 1) * fs;
+        const std::string e = p + "mlp.shared_experts.";
+        lp.shared_gate = add_if(config.moe_shared_expert_gate, e + "gate_weight", std::vector<int64_t>{1, c}, std);
+        lp.shared_fc1 = add(e + "linear_fc1.weight", {fs1, c}, std);
+        lp.shared_fc2 = add(e + "linear_fc2.weight", {c, fs}, out_std);
       }
       lp.fc1_w = lp.fc1_b = lp.fc2_w = lp.fc2_b = -1;
       m.layers.push_back(lp);

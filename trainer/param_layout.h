@@ -93,6 +93,11 @@ struct GPTConfig {
   double moe_router_topk_scaling_factor = 0;
   // Group-limited routing (--moe-router-num-groups, --moe-router-group-topk; group topk 0: none).
   int64_t moe_router_num_groups = 0, moe_router_group_topk = 0;
+  // Megatron's shared experts (--moe-shared-expert-intermediate-size; 0: none): in each MoE layer a dense MLP of
+  // this width (the experts' activation, no biases) on every token beside the routed experts, its output added to
+  // theirs; with moe_shared_expert_gate (--moe-shared-expert-gate) scaled by sigmoid(x . gate_weight) per token.
+  int64_t moe_shared_expert_intermediate_size = 0;
+  bool moe_shared_expert_gate = false;
   // Megatron's multi-latent attention (--multi-latent-attention, MLATransformerConfig; DeepSeek-V2/V3):
   // each layer's attention is MLASelfAttention of megatron-core's local spec (trainer/cpu/mla_cpu.h):
   // queries from linear_q_proj, or through a q_lora_rank latent (0: Megatron's None); keys and values
@@ -134,6 +139,11 @@ struct GPTConfig {
   int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden_size; }
   // One expert's floats: fc1 (2 x moe_ffn() rows under SwiGLU, x hidden) and fc2 (hidden x moe_ffn()).
   int64_t expert_floats() const { return ((swiglu ? 2 : 1) + 1) * moe_ffn() * hidden_size; }
+  // A MoE layer's shared experts' floats: fc1, fc2 and the gate's weight (0 without shared experts).
+  int64_t shared_expert_floats() const {
+    return ((swiglu ? 2 : 1) + 1) * moe_shared_expert_intermediate_size * hidden_size +
+           (moe_shared_expert_intermediate_size > 0 && moe_shared_expert_gate ? hidden_size : 0);
+  }
   // What each norm's weight adds to its input's normalised value: 1 under apply_layernorm_1p.
   float norm_weight_offset() const { return apply_layernorm_1p ? 1.0f : 0.0f; }
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
@@ -221,6 +231,9 @@ struct LayerParams {
   // A mixture-of-experts layer (GPTConfig::moe_layer; fc1 and fc2 are then -1): the router's weight,
   // and the experts' weights (expert j's fc1 then fc2 at experts + j x GPTConfig::expert_floats()).
   int64_t router_w = -1, experts = -1;
+  // Its shared experts (GPTConfig::moe_shared_expert_intermediate_size; -1 without): fc1, fc2 and the gate's
+  // weight (-1 without moe_shared_expert_gate), after the experts in Megatron's order.
+  int64_t shared_fc1 = -1, shared_fc2 = -1, shared_gate = -1;
   // A multi-latent attention layer (GPTConfig::mla; qkv_w and qkv_b are then -1): its projections and
   // latent norms (q_proj without a q_lora_rank, q_down, q_up and q_norm with one; norms with qk_layernorm).
   int64_t mla_q_proj = -1, mla_q_down = -1, mla_q_norm_w = -1, mla_q_norm_b = -1, mla_q_up = -1;

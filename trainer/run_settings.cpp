@@ -140,6 +140,9 @@ Settings MoeSettingsOf(const GPTConfig& m) {
        m.moe_router_topk_scaling_factor > 0 ? Num(m.moe_router_topk_scaling_factor) : ""},
       {"--moe-router-num-groups", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_num_groups) : ""},
       {"--moe-router-group-topk", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_group_topk) : ""},
+      {"--moe-shared-expert-intermediate-size",
+       m.moe_shared_expert_intermediate_size > 0 ? std::to_string(m.moe_shared_expert_intermediate_size) : ""},
+      {"--moe-shared-expert-gate", m.moe_shared_expert_gate ? "on" : "off"},
   };
 }
 

@@ -31,7 +31,13 @@ GPTConfig Llama() {
 TEST(MemoryEstimate, PlannedActivationsAreWhatThePassAllocates) {
   GPTConfig recompute = Gpt3();
   recompute.recompute_activations = true;
-  for (const GPTConfig& c : {Gpt3(), recompute, Llama()}) {
+  GPTConfig shared = Gpt3();  // MoE layers (dense, MoE, MoE) with gated shared experts
+  shared.add_bias_linear = false;
+  shared.num_experts = 4;
+  shared.moe_layer_pattern = {0, 1, 1};
+  shared.moe_shared_expert_intermediate_size = 24;
+  shared.moe_shared_expert_gate = true;
+  for (const GPTConfig& c : {Gpt3(), recompute, Llama(), shared}) {
     auto model = CpuGPTModel::Create(c);
     ASSERT_TRUE(model.ok()) << model.status();
     testing::Batches batches(1, c.seq_length);

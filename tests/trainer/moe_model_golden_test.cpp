@@ -5,7 +5,8 @@
 // routed by sigmoid scores (dense, MoE, MoE layers), and the first with --calculate-per-token-loss and a
 // quarter of the tokens masked, all with the load-balancing loss; the router's options: the z-loss (per
 // micro-batch and per token), group-limited routing (8 experts in 4 groups, softmax before and after the top
-// k, sigmoid) and the top-k scaling factor. The layout (Megatron's names,
+// k, sigmoid) and the top-k scaling factor; shared experts (tests/support/gen_moe_shared_golden.py: GELU ones on
+// MoE, dense, MoE layers, gated SwiGLU ones on every layer). The layout (Megatron's names,
 // shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
 // within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
@@ -56,6 +57,9 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     c.moe_router_topk_scaling_factor = Config("moe_router_topk_scaling_factor");
     c.moe_router_num_groups = static_cast<int64_t>(Config("moe_router_num_groups"));
     c.moe_router_group_topk = static_cast<int64_t>(Config("moe_router_group_topk"));
+    // Shared experts (gen_moe_shared_golden.py's goldens; the others lack the keys: none).
+    c.moe_shared_expert_intermediate_size = static_cast<int64_t>(Config("moe_shared_expert_intermediate_size"));
+    c.moe_shared_expert_gate = Config("moe_shared_expert_gate") != 0;
     config_ = c;
   }
   std::unique_ptr<CpuGPTModel> MakeModel() {
@@ -234,10 +238,50 @@ TEST(MoeModel, EachStageHoldsItsLayersExpertsAsTheDryRunCounts) {
   }
 }
 
+// Shared experts: each MoE layer's on the stage that holds it, counted as the dry run counts them, and whole on
+// every expert rank (not expert-parallel), after the rank's experts.
+TEST(MoeModel, SharedExpertsAreOnEachStageAndEveryExpertRank) {
+  GPTConfig c = testing::SmallGpt(4, 8, 2, 4, 16, 16);
+  c.ffn_hidden_size = 16;
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 6;
+  c.moe_layer_pattern = {1, 0, 1, 1};
+  c.moe_shared_expert_intermediate_size = 5;
+  c.moe_shared_expert_gate = true;
+  EXPECT_EQ(c.shared_expert_floats(), 3 * 5 * 8 + 8);
+  const std::vector<int64_t> layers{2, 2};
+  for (int p = 0; p < 2; ++p) {
+    const PipelineStage st = StageOf(layers, p);
+    auto layout = ParamLayout::Create(c, 1, 0, st);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->num_params, ParamsOnModelParallelRank(c, 1, 2, p, 2, MoeLayersOnStage(c, st))) << p;
+    const LayerParams& lp = layout->layers[1];
+    EXPECT_EQ(lp.shared_fc1 >= 0, p == 1) << p;  // layer 1 is dense, layer 3 MoE
+  }
+  c.moe_shared_expert_gate = false;
+  auto whole = ParamLayout::Create(c);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->Find("decoder.layers.0.mlp.shared_experts.gate_weight"), nullptr);
+  for (int r = 0; r < 2; ++r) {
+    auto ep = ParamLayout::Create(c, 1, 0, {}, /*expert_size=*/2, r);
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    const ParamInfo* fc1 = ep->Find("decoder.layers.2.mlp.shared_experts.linear_fc1.weight");
+    ASSERT_NE(fc1, nullptr);
+    EXPECT_FALSE(fc1->expert);
+    EXPECT_EQ(ep->layers[2].shared_fc1, fc1->offset);
+    EXPECT_EQ(ep->layers[2].shared_fc2, fc1->offset + fc1->size);
+    EXPECT_EQ(ep->num_params, whole->num_params - 3 * 2 * c.expert_floats());  // 2 of 4 experts on 3 MoE layers
+  }
+  c.moe_shared_expert_intermediate_size = -1;
+  EXPECT_FALSE(ParamLayout::Create(c).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
                          ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token", "moe_zloss",
                                            "moe_zloss_per_token", "moe_groups", "moe_groups_softmax",
-                                           "moe_groups_sigmoid"));
+                                           "moe_groups_sigmoid", "moe_shared", "moe_shared_gate"));
 
 }  // namespace
 }  // namespace ptk

@@ -9,6 +9,7 @@
 #include "trainer/cpu/mla_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/cpu/shared_experts_cpu.h"
 
 namespace ptk {
 
@@ -38,6 +39,8 @@ struct CpuGPTModel::Activations {
   // the dispatch's gathered buffer.
   std::vector<cpu::MoeActivations<float>> moe_ep;
   std::vector<float> ep_buf;
+  // Shared experts' activations (trainer/cpu/shared_experts_cpu.h), per layer (empty for a layer without them).
+  std::vector<cpu::SharedExpertActivations<float>> shared;
   // Multi-latent attention layers' latents (trainer/cpu/mla_cpu.h), and MLA's rotary tables (t, pe / 2).
   std::vector<cpu::MlaActivations<float>> mla;
   std::vector<float> mla_cos, mla_sin;
@@ -107,6 +110,18 @@ inline void MlpActivationBackward(const GPTConfig& cf, float* dff, const float* 
     cpu::GeluExactBackward(dff, fc1, dact, n * f);
   else
     cpu::GeluBackward(dff, fc1, dact, n * f);
+}
+
+// A MoE layer's shared experts' settings (GPTConfig::moe_shared_expert_intermediate_size): the experts' activation.
+inline cpu::SharedExpertSettings SharedExpertSettingsOf(const GPTConfig& cf) {
+  cpu::SharedExpertSettings s;
+  s.ffn = cf.moe_shared_expert_intermediate_size;
+  s.gate = cf.moe_shared_expert_gate;
+  s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
+                 : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
+                 : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact
+                                   : cpu::MlpActivation::kGelu;
+  return s;
 }
 
 // --qk-layernorm: where layer l's QKV product goes (qkv_raw, normalised into qkv by QKNormLayerForward),

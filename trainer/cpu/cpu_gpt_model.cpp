@@ -293,10 +293,13 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::cp_qkv, nw * qkv);
   put(&Activations::cp_dqkv, nw * qkv);
   if (a != nullptr) a->moe.assign(static_cast<size_t>(L), {});
+  if (a != nullptr) a->shared.assign(static_cast<size_t>(L), {});
   for (int64_t l = l0; l < std::min(l1, L); ++l)  // what MoeActivations holds after a pass (moe_cpu.cpp's sizes)
     if (layout.layers[static_cast<size_t>(l)].router_w >= 0) {
       const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn(), fm1 = (cf.swiglu ? 2 : 1) * fm;
       floats += 3 * n * E + 4 * n * K + E + 1 + n * K * (4 * c + 2 * fm1 + 3 * fm);  // integers counted as floats
+      if (cf.moe_shared_expert_intermediate_size > 0)
+        floats += cpu::SharedExpertActivationFloats(cpu_model_detail::SharedExpertSettingsOf(cf), n, c);
     }
   if (a != nullptr) a->mla.assign(static_cast<size_t>(cf.mla() ? L : 0), {});
   if (cf.mla()) {  // what MlaActivations holds after a pass (mla_cpu.cpp's sizes), and MLA's rotary tables
@@ -338,6 +341,7 @@ int64_t CpuGPTModel::ActivationFloats() const {
       floats += static_cast<int64_t>(v->size());
     floats += static_cast<int64_t>(m.expert.size() + m.order.size() + m.begin.size());
   }
+  for (const cpu::SharedExpertActivations<float>& m : a.shared) floats += m.Floats();
   for (const cpu::MlaActivations<float>& m : a.mla)
     for (const auto* v : {&m.qd, &m.qn, &m.q_mean, &m.q_rstd, &m.kvd, &m.kvc, &m.kvn, &m.kv_mean, &m.kv_rstd})
       floats += static_cast<int64_t>(v->size());

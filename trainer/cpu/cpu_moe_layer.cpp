@@ -45,6 +45,10 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   } else {
     cpu::MoeExpertsForward(a.tmp.data(), &m, P + lp.experts, cf.hidden_size, s);
   }
+  if (lp.shared_fc1 >= 0)  // the shared experts' output added to the routed experts'
+    cpu::SharedExpertForward(a.tmp.data(), &a.shared[static_cast<size_t>(l)], a.ln2[l].data(), P + lp.shared_fc1,
+                             P + lp.shared_fc2, cpu_model_detail::At(P, lp.shared_gate), n, cf.hidden_size,
+                             cpu_model_detail::SharedExpertSettingsOf(cf));
   // Megatron tracks (and injects) the z-loss and the load-balancing loss only in training passes with a coefficient.
   if (train && cf.moe_z_loss_coeff > 0) moe_z_sum_ += cpu::MoeZLoss(m, s);
   if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
@@ -73,6 +77,11 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool 
   // multiplied by the micro-batch's tokens); context ranks are refused with it (moe_flags.cpp).
   const double z_grad = train ? cf.moe_z_loss_coeff * moe_aux_loss_scale_ : 0.0;
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  if (lp.shared_fc1 >= 0)  // shared experts: replicated on the expert ranks, each on its own tokens
+    cpu::SharedExpertBackward(
+        a.dln.data(), G + lp.shared_fc1, G + lp.shared_fc2, cpu_model_detail::At(G, lp.shared_gate), a.dtmp.data(),
+        &a.shared[static_cast<size_t>(l)], a.ln2[l].data(), P + lp.shared_fc1, P + lp.shared_fc2,
+        cpu_model_detail::At(P, lp.shared_gate), m.n, cf.hidden_size, cpu_model_detail::SharedExpertSettingsOf(cf));
   if (expert_comm_ != nullptr)
     return cpu::ExpertParallelBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m,
                                        &a.moe_ep[static_cast<size_t>(l)], a.ln2[l].data(), P + lp.router_w,
