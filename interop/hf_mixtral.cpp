@@ -27,6 +27,9 @@ absl::Status CheckMixtralExportable(const GPTConfig& c, const std::string& file)
   if (c.moe_router_group_topk > 0)
     why.push_back(fmt::format("--moe-router-group-topk {} (Mixtral routes among all experts, not limited groups)",
                               c.moe_router_group_topk));
+  if (c.moe_shared_expert_intermediate_size > 0)
+    why.push_back(fmt::format("--moe-shared-expert-intermediate-size {} (Mixtral has no shared experts)",
+                              c.moe_shared_expert_intermediate_size));
   if (c.moe_layers() != c.num_layers) {
     std::string layers;
     for (int64_t l = 0; l < c.num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "", c.moe_layer(l) ? 1 : 0);

@@ -46,6 +46,11 @@ bool ReadMoeHeader(simdjson::dom::element m, GPTConfig* c) {
   if (double f = 0; !m["moe_router_topk_scaling_factor"].get(f)) c->moe_router_topk_scaling_factor = f;
   if (int64_t g = 0, k = 0; !m["moe_router_num_groups"].get(g) && !m["moe_router_group_topk"].get(k))
     c->moe_router_num_groups = g, c->moe_router_group_topk = k;
+  if (int64_t s = 0; !m["moe_shared_expert_intermediate_size"].get(s)) {  // shared experts
+    bool gate = false;
+    if (m["moe_shared_expert_gate"].get(gate)) return false;
+    c->moe_shared_expert_intermediate_size = s, c->moe_shared_expert_gate = gate;
+  }
   c->moe_layer_pattern.clear();
   for (size_t i = 1; i + 1 < freq.size(); i += 2) {
     if ((freq[i] != '0' && freq[i] != '1') || (i + 2 < freq.size() && freq[i + 1] != ',')) return false;

@@ -61,6 +61,7 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "Expert-parallel ranks: each holds --num-experts / N experts of every MoE layer (CPU; N divides the "
                   "data ranks)")
       ->check(IntIn(1, kMaxSize));
+  AddSharedExpertFlags(app, f);
 }
 
 namespace {
@@ -174,6 +175,8 @@ absl::Status ResolveRouterExtras(const TrainFlags::Moe& m, GPTConfig* model, std
 
 absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
   const TrainFlags::Moe& m = f.moe;
+  if (m.num_experts == 0 && (m.shared_expert_size || m.shared_expert_gate || m.shared_expert_overlap))
+    notes->push_back("--moe-shared-expert-*: accepted, no effect without --num-experts (as Megatron)");
   if (m.num_experts == 0) {
     if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
         !m.router_dtype.empty() || m.z_loss_coeff || m.topk_scaling_factor || m.num_groups || m.group_topk)
@@ -215,6 +218,7 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
     notes->push_back(
         "--moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type none (as Megatron)");
   PTK_RETURN_IF_ERROR(ResolveRouterExtras(m, model, notes));
+  PTK_RETURN_IF_ERROR(ResolveSharedExpertFlags(f, model, notes));
   PTK_RETURN_IF_ERROR(ResolveLayerFreq(m.layer_freq, model->num_layers, &model->moe_layer_pattern));
   if (!model->moe_layer_pattern.empty() && model->moe_layers() == 0)
     return UsageError("--moe-layer-freq " + m.layer_freq +

@@ -33,6 +33,7 @@ constexpr const char* kSwitches[] = {
     "--apply-layernorm-1p",
     "--moe-router-pre-softmax",
     "--multi-latent-attention",
+    "--moe-shared-expert-gate",
 };
 bool IsSwitch(const std::string& flag) {
   for (const char* s : kSwitches)
@@ -161,7 +162,8 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
       {"--squared-relu", &m->squared_relu},
       {"--apply-layernorm-1p", &m->apply_layernorm_1p},
       {"--moe-router-pre-softmax", &f->moe.pre_softmax},
-      {"--multi-latent-attention", &f->mla.on}};
+      {"--multi-latent-attention", &f->mla.on},
+      {"--moe-shared-expert-gate", &f->moe.shared_expert_gate}};
   if (auto it = ints.find(flag); it != ints.end()) PTK_RETURN_IF_ERROR(as_int(it->second));
   if (auto it = reals.find(flag); it != reals.end()) PTK_RETURN_IF_ERROR(as_real(it->second));
   if (auto it = switches.find(flag); it != switches.end()) *it->second = on;
@@ -187,9 +189,10 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
     if (!value.empty()) PTK_RETURN_IF_ERROR(as_real(&v));
     f->moe.topk_scaling_factor = value.empty() ? std::nullopt : std::optional<double>(v);
   }
-  for (auto [name, field] :
-       {std::pair{"--moe-router-num-groups", &f->moe.num_groups}, {"--moe-router-group-topk", &f->moe.group_topk}})
-    if (flag == name) {  // empty: no group-limited routing
+  for (auto [name, field] : {std::pair{"--moe-router-num-groups", &f->moe.num_groups},
+                             {"--moe-router-group-topk", &f->moe.group_topk},
+                             {"--moe-shared-expert-intermediate-size", &f->moe.shared_expert_size}})
+    if (flag == name) {  // empty: no group-limited routing (no shared experts)
       int64_t v = 0;
       if (!value.empty()) PTK_RETURN_IF_ERROR(as_int(&v));
       *field = value.empty() ? std::nullopt : std::optional<int64_t>(v);

@@ -69,6 +69,8 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups",
     "--moe-router-group-topk",
+    "--moe-shared-expert-intermediate-size",
+    "--moe-shared-expert-gate",
     // A multi-latent attention checkpoint's (another records none of them). Megatron's
     // load_args_from_checkpoint takes none of them; ptk takes them as it takes the shape flags.
     "--multi-latent-attention",

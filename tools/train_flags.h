@@ -95,6 +95,9 @@ struct TrainFlags {
     std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
+    // Shared experts (shared_experts_flags.cpp): their width (none: no shared experts), the gate, the overlap.
+    std::optional<int64_t> shared_expert_size;
+    bool shared_expert_gate = false, shared_expert_overlap = false;
   } moe;
   // Megatron's multi-latent attention (mla_flags.cpp): Megatron-LM's defaults; rope_type empty: not given.
   struct Mla {
@@ -121,6 +124,9 @@ cli::UnknownFlagHints LauncherFlagHints();
 // context, expert) and the device (CUDA) ptk's MoE layers do not run with yet, refused naming them.
 void AddMoeFlags(CLI::App* app, TrainFlags* flags);
 absl::Status ResolveMoeFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+// Its shared experts' (shared_experts_flags.cpp; AddMoeFlags and ResolveMoeFlags call them).
+void AddSharedExpertFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveSharedExpertFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
 // --fim-data: refused with --mock-data and without --num-workers 0, its flags and tokens checked (MakeFimConfig).
 absl::Status ResolveFimFlags(const TrainFlags& f, const TrainOptions& o);
 absl::Status RefuseMoeParallelism(const TrainFlags& flags);

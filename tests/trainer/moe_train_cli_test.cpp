@@ -230,6 +230,75 @@ TEST_F(MoeTrainCli, TheRoutersOptionsTrainLogResumeAndAreTheCheckpointsModel) {
       << refused.output;
 }
 
+// Shared experts (--moe-shared-expert-intermediate-size, --moe-shared-expert-gate) end to end: a bitwise resume,
+// Megatron's names in the checkpoint, the shared experts another model to a --load without them or of another
+// width, --use-checkpoint-args taking them, --moe-shared-expert-overlap (alltoall) the same run with a note, expert
+// ranks (the shared experts replicated) and data ranks giving one rank's losses, and ptk-convert's refusals.
+TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) {
+  const std::string shared = " --moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate ";
+  auto whole = RunCmd(Train(shared + "--save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  auto plain = RunCmd(Train(""));  // the shared experts change the losses
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(testing::LogLinesWithoutTimes(plain.output), a);
+  auto first = RunCmd(Train(shared + "--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train(shared + "--load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.add_bias_linear = false;
+  c.gelu_exact = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  c.moe_shared_expert_intermediate_size = 24;
+  c.moe_shared_expert_gate = true;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const char* name :
+       {"decoder.layers.1.mlp.shared_experts.gate_weight", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+        "decoder.layers.1.mlp.shared_experts.linear_fc2.weight"})
+    ASSERT_NE(layout->Find(name), nullptr) << name;
+  std::vector<float> p, m, v;
+  TrainState st;
+  EXPECT_TRUE(LoadCheckpoint(dir_ / "ck", 3, *layout, &p, &m, &v, &st).ok());
+  for (const char* other : {"", " --moe-shared-expert-intermediate-size 24",
+                            " --moe-shared-expert-intermediate-size 16 "
+                            "--moe-shared-expert-gate"}) {
+    auto r = RunCmd(Train(std::string(other) + " --load " + ShellQuote(dir_ / "ck")));
+    EXPECT_NE(r.exit_code, 0) << other;
+    EXPECT_NE(r.output.find("the checkpoint is of another model"), std::string::npos) << other << "\n" << r.output;
+  }
+  auto taken = RunCmd(Train("--use-checkpoint-args --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), testing::LogLinesWithoutTimes(resumed.output));
+  auto overlap = RunCmd(Train(shared + "--moe-token-dispatcher-type alltoall --moe-shared-expert-overlap"));
+  ASSERT_EQ(overlap.exit_code, 0) << overlap.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(overlap.output), a);
+  EXPECT_NE(overlap.output.find("note: --moe-shared-expert-overlap: accepted"), std::string::npos) << overlap.output;
+  // Two data ranks, and two expert ranks (each two experts, the shared experts on both): one rank's losses.
+  const auto ref = testing::LossesOf(whole.output);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(shared), ref, 6, 1e-5, "2 data ranks", &out));
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(2, Train(shared + "--expert-model-parallel-size 2"), ref, 6, 1e-5, "2 expert ranks", &out));
+  // ptk-convert: no Megatron mapping of shared experts yet, and Mixtral has none: refused in one line.
+  for (const char* saver : {"megatron", "hf"}) {
+    const std::string to = dir_ / (std::string("export-") + saver);
+    auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(to));
+    EXPECT_EQ(e.exit_code, 1) << saver << "\n" << e.output;
+    EXPECT_NE(e.output.find(std::string(saver) == "hf" ? "--moe-shared-expert-intermediate-size 24 (Mixtral has no "
+                                                         "shared experts)"
+                                                       : "does not write Megatron checkpoints of shared experts yet"),
+              std::string::npos)
+        << e.output;
+    EXPECT_FALSE(std::filesystem::exists(to)) << saver;
+  }
+}
+
 TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
   auto one = RunCmd(Train(""));
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -342,6 +411,21 @@ TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
   EXPECT_NE(pp.output.find("model parallel rank (0, 0): 5312\n"), std::string::npos) << pp.output;
   EXPECT_NE(pp.output.find("model parallel rank (0, 1): " + std::to_string(megatron - 5312) + "\n"), std::string::npos)
       << pp.output;
+  // moe_shared's model (moe_gelu's with shared experts of width 20 on its two MoE layers): megatron-core's count.
+  simdjson::dom::element shared = parser.load(testing::SourceDir() + "/tests/data/trainer/moe_shared.json");
+  int64_t with_shared = 0;
+  for (auto name : shared["param_order"].get_array()) {
+    int64_t n = 1;
+    for (auto d : shared["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
+      n *= int64_t(d);
+    with_shared += n;
+  }
+  EXPECT_EQ(with_shared, megatron + 2 * 2 * 20 * 16);
+  auto sh = RunCmd(cmd + " --moe-shared-expert-intermediate-size 20");
+  ASSERT_EQ(sh.exit_code, 0) << sh.output;
+  EXPECT_NE(sh.output.find("model: " + std::to_string(with_shared) + " parameters"), std::string::npos)
+      << with_shared << "\n"
+      << sh.output;
 }
 
 TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
@@ -360,7 +444,12 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-expert-capacity-factor 1.0",
        "usage error: --moe-expert-capacity-factor 1.0: this "
        "mixture-of-experts feature is not implemented"},
-      {moe + " --moe-shared-expert-intermediate-size 64", "--moe-shared-expert-intermediate-size 64: this mixture"},
+      {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap",
+       "usage error: --moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (the default): Megatron's "
+       "overlap works only with the alltoall dispatcher"},
+      {moe + " --moe-shared-expert-intermediate-size 0", "--moe-shared-expert-intermediate-size"},
+      {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --device cuda",
+       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: this mixture-of-experts"},
       {moe + " --moe-router-group-topk 2",
        "usage error: --moe-router-group-topk 2 needs --moe-router-num-groups (as Megatron's TransformerConfig)"},
