@@ -44,6 +44,25 @@ TEST(ActivationBytesPerLayer, IsThePapersTableTwo) {
   EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, false, false, 2), sbh * (18 + 12) + 5 * a * s * s * b);
 }
 
+// Mixture of experts: each MoE layer's shared experts (width S) see every token once, fc1's and fc2's inputs 2sbS
+// more (3sbS with SwiGLU), the layers' mean taken as the experts'.
+TEST(ActivationBytesPerLayer, CountsTheSharedExperts) {
+  GPTConfig c = Model(4, 1024, 8, 512, 50257);
+  c.ffn_hidden_size = 4096;
+  c.num_experts = 8;
+  c.moe_ffn_hidden_size = 1024;
+  c.moe_layer_pattern = {1, 0, 1, 0};
+  const double s = 512, b = 2, v = 2, S = 768;
+  const double plain = ActivationBytesPerLayer(c, 2, 1, false, false, 2);
+  c.moe_shared_expert_intermediate_size = 768;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 2, 1, false, false, 2), plain + 0.5 * v * 2 * s * b * S);
+  c.swiglu = true;
+  c.moe_shared_expert_intermediate_size = 0;
+  const double swiglu = ActivationBytesPerLayer(c, 2, 1, false, false, 2);
+  c.moe_shared_expert_intermediate_size = 768;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 2, 1, false, false, 2), swiglu + 0.5 * v * 3 * s * b * S);
+}
+
 DryRunOptions Small() {
   DryRunOptions o;
   o.model = Model(4, 64, 8, 32, 1000);
