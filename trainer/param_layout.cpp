@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 #include "trainer/model_limits.h"
+#include "trainer/mtp_layout.h"
 
 namespace ptk {
 
@@ -19,13 +20,7 @@ absl::Status GPTConfig::Validate() const {
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
   auto at_least_1 = [&](const char* name, int64_t v) { return bad(fmt::format("{} {}: must be at least 1", name, v)); };
   if (num_layers < 1) return at_least_1("num_layers", num_layers);
-  if (mtp_num_layers < 0) return bad(fmt::format("mtp_num_layers {}: must be at least 0", mtp_num_layers));
-  if (mtp_num_layers > 0 && !(mtp_loss_scaling_factor >= 0 && std::isfinite(mtp_loss_scaling_factor)))
-    return bad(fmt::format("mtp_loss_scaling_factor {}: must be at least 0", mtp_loss_scaling_factor));
-  if (mtp_num_layers > 0 && (num_experts > 0 || multi_latent_attention))
-    return bad(
-        "mtp_num_layers with num_experts or multi_latent_attention: multi-token prediction is implemented "
-        "for dense layers with standard attention only");
+  PTK_RETURN_IF_ERROR(ValidateMtpConfig(*this));
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
   if (kv_channels < 0)
@@ -353,12 +348,6 @@ void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, AddIf& a
   lp->mla_kv_norm_w = add_if(norms, a + "kv_layernorm.weight", Shape{kvr}, 0.0, one);
   lp->mla_kv_norm_b = add_if(norms && ln, a + "kv_layernorm.bias", Shape{kvr}, 0.0);
 }
-// A multi-token prediction norm (`p` + weight, and bias under LayerNorm), the model's normalization.
-template <typename AddIf>
-void AddMtpNorm(const std::string& p, bool ln, float one, int64_t c, AddIf& add_if, int64_t* w, int64_t* b) {
-  *w = add_if(true, p + "weight", std::vector<int64_t>{c}, 0.0, one);
-  *b = add_if(ln, p + "bias", std::vector<int64_t>{c}, 0.0);
-}
 }  // namespace
 
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
@@ -367,9 +356,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
     return CutExperts(all, expert_size, expert_rank);
   }
-  if (config.mtp_num_layers > 0 && (stage.size != 1 || stage.virtual_size != 1))
-    return absl::InvalidArgumentError(
-        "mtp_num_layers with pipeline stages: multi-token prediction runs on one pipeline stage");
+  if (config.mtp_num_layers > 0 && (stage.size != 1 || stage.virtual_size != 1 || tensor_size > 1))
+    return absl::InvalidArgumentError(fmt::format(
+        "mtp_num_layers with {} tensor ranks and {} pipeline stages: multi-token prediction runs on one of each",
+        tensor_size, stage.size));
   if (stage.size != 1 || stage.virtual_size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
     PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
     return CutStage(whole, stage);
@@ -384,10 +374,6 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   if (config.mla() && tensor_size > 1)
     return absl::InvalidArgumentError(fmt::format(
         "--multi-latent-attention with --tensor-model-parallel-size {}: multi-latent attention runs on one tensor rank",
-        tensor_size));
-  if (config.mtp_num_layers > 0 && tensor_size > 1)
-    return absl::InvalidArgumentError(fmt::format(
-        "mtp_num_layers with --tensor-model-parallel-size {}: multi-token prediction runs on one tensor rank",
         tensor_size));
   if (config.moe() && tensor_size > 1)
     return absl::InvalidArgumentError(fmt::format(
@@ -464,18 +450,20 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, one);
     m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
   };
-  // Multi-token prediction depth k's norms and projection before its transformer layer (the decoder's final
-  // norm before the first), its final_layernorm after (the previous depth's before the next).
+  // MTP depth k's norms and eh_proj, after the decoder's final norm (k 0) or depth k - 1's final_layernorm.
+  auto mtp_norm = [&](const std::string& p, int64_t* w, int64_t* b) {  // `p` weight, and bias under LayerNorm
+    *w = add(p + "weight", {c}, 0.0, one);
+    *b = add_if(ln, p + "bias", std::vector<int64_t>{c}, 0.0);
+  };
   auto mtp_head = [&](int64_t k) {
     if (k == 0) final_norm();
     if (k > 0)
-      AddMtpNorm(fmt::format("mtp.layers.{}.final_layernorm.", k - 1), ln, one, c, add_if, &m.mtp.back().norm_w,
-                 &m.mtp.back().norm_b);
+      mtp_norm(fmt::format("mtp.layers.{}.final_layernorm.", k - 1), &m.mtp.back().norm_w, &m.mtp.back().norm_b);
     if (k == config.mtp_num_layers) return std::string();
     const std::string q = fmt::format("mtp.layers.{}.", k);
     MtpLayerParams mp;
-    AddMtpNorm(q + "enorm.", ln, one, c, add_if, &mp.enorm_w, &mp.enorm_b);
-    AddMtpNorm(q + "hnorm.", ln, one, c, add_if, &mp.hnorm_w, &mp.hnorm_b);
+    mtp_norm(q + "enorm.", &mp.enorm_w, &mp.enorm_b);
+    mtp_norm(q + "hnorm.", &mp.hnorm_w, &mp.hnorm_b);
     mp.eh_proj = add(q + "eh_proj.weight", {c, 2 * c}, std);
     m.mtp.push_back(mp);
     return q + "transformer_layer.";
