@@ -83,6 +83,11 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
         fmt::format("{}: a multi-latent attention model (--multi-latent-attention): ptk-convert does not export MLA "
                     "checkpoints (neither --saver hf nor --saver megatron)",
                     file));
+  if (int64_t mtp = 0; !m["mtp_num_layers"].get(mtp) && mtp > 0)  // ptk-train's CPU multi-token prediction
+    return absl::UnimplementedError(
+        fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}): ptk-convert does not export MTP "
+                    "checkpoints (neither --saver hf nor --saver megatron)",
+                    file, mtp));
   if (!m["num_experts"].get(c.num_experts) && !ReadMoeHeader(m, &c))  // ptk-train's MoE layers
     return bad("the header's description of the mixture of experts misses a field or has a bad one");
   if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only

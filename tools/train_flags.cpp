@@ -72,6 +72,7 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   AddLlamaFlags(app, f);
   AddMoeFlags(app, f);
   AddMlaFlags(app, f);
+  AddMtpFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }
 

@@ -107,6 +107,12 @@ struct TrainFlags {
     std::string rope_type;
     double rotary_scaling_factor = 1.0, mscale = 1.0, mscale_all_dim = 0.0;
   } mla;
+  // Megatron's multi-token prediction (mtp_flags.cpp): num_layers none or 0: off.
+  struct Mtp {
+    std::optional<int64_t> num_layers;
+    double loss_scaling_factor = 0.1;
+    bool standalone = false;
+  } mtp;
   // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
   // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch groups.
@@ -137,6 +143,11 @@ absl::Status RefuseMoeDevice(const TrainFlags& flags, Device device);
 void AddMlaFlags(CLI::App* app, TrainFlags* flags);
 absl::Status ResolveMlaFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
 absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& flags, Device device);
+// Megatron's multi-token prediction flags (mtp_flags.cpp), added by AddTrainFlags; their settings into `model`;
+// the parallelism, MoE, MLA and device ptk's multi-token prediction does not run with, refused naming them.
+void AddMtpFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveMtpFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+absl::Status RefuseMtpCombinations(const TrainFlags& flags, Device device);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

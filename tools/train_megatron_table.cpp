@@ -158,8 +158,6 @@ constexpr Group kGroups[] = {
      "--linear-attention-freq= --linear-conv-kernel-dim= --linear-key-head-dim= "
      "--linear-num-key-heads= --linear-num-value-heads= --linear-value-head-dim= --qk-l2-norm "
      "--softmax-type= --window-attn-skip-freq= --window-size="},
-    {true, "multi-token prediction is not implemented",
-     "--mtp-loss-scaling-factor= --mtp-num-layers= --mtp-standalone"},
     {true, "heterogeneous layer configurations are not implemented; every layer has the same shape",
      "--heterogeneous-layers-config-encoded-json= --heterogeneous-layers-config-path="},
     {true, "fp8 and fp4 training are not implemented; use --bf16 or --fp16 on a GPU",

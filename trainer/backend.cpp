@@ -124,6 +124,11 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on the CPU backend");
   if (config.mla() && backend.context_comm && backend.context_comm->size() > 1)
     return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on one context rank");
+  // Multi-token prediction is the CPU model's ForwardBackward's (mtp_cpu.cpp), on one context rank.
+  if (config.mtp_num_layers > 0 && backend.device != Device::kCpu)
+    return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");
+  if (config.mtp_num_layers > 0 && backend.context_comm && backend.context_comm->size() > 1)
+    return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(

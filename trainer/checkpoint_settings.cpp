@@ -184,6 +184,7 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("mscale", c.mscale)
         .Field("mscale_all_dim", c.mscale_all_dim);
   }
+  if (c.mtp_num_layers > 0) w.Field("mtp_num_layers", c.mtp_num_layers);  // multi-token prediction's depths
   return w.EndObject().str();
 }
 

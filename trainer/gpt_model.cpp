@@ -119,6 +119,7 @@ absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double l
   deferred_.tokens += s.tokens;
   deferred_.load_balancing_loss += s.load_balancing_loss;
   deferred_.z_loss += s.z_loss;
+  deferred_.AddMtp(s);
   return absl::OkStatus();
 }
 

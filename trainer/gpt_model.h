@@ -43,6 +43,13 @@ struct LossSum {
   // Training passes with a router z-loss (GPTConfig::moe_z_loss_coeff > 0): the sum over the MoE layers of
   // each one's z-loss without its coefficient (what Megatron's tracker adds as z_loss).
   double z_loss = 0;
+  // Training passes with multi-token prediction (GPTConfig::mtp_num_layers): depth k's masked mean loss over its
+  // rolled tokens (what Megatron's MTPLossLoggingHelper tracks per micro-batch); empty otherwise.
+  std::vector<double> mtp_losses;
+  void AddMtp(const LossSum& o) {
+    if (mtp_losses.size() < o.mtp_losses.size()) mtp_losses.resize(o.mtp_losses.size(), 0.0);
+    for (size_t k = 0; k < o.mtp_losses.size(); ++k) mtp_losses[k] += o.mtp_losses[k];
+  }
 };
 
 enum class Device { kCpu, kCuda };
@@ -121,6 +128,12 @@ class GPTModel {
   // training passes, beside its coefficient (Megatron's MoEAuxLossAutoScaler scale: the loss scale over
   // the micro-batches, here also over the data ranks, whose gradients TrainStep sums). Default 1.
   void SetMoeAuxLossScale(double scale) { moe_aux_loss_scale_ = scale; }
+  // Multi-token prediction: Megatron's MTPLossAutoScaler scale of the next training passes: each depth's token
+  // losses weigh mtp_loss_scaling_factor / mtp_num_layers x `scale`, over the depth's tokens unless `per_token`.
+  void SetMtpLossScale(double scale, bool per_token) {
+    mtp_loss_scale_ = scale;
+    mtp_per_token_ = per_token;
+  }
   // Forward and backward of one micro-batch: returns the masked loss sum and token count, and adds
   // d(loss_scale * sum(loss * mask)) to the fp32 gradients. `train` applies dropout (keyed by seed).
   virtual absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
@@ -315,6 +328,8 @@ class GPTModel {
   }
   int chunk_ = 0;
   double moe_aux_loss_scale_ = 1.0;  // SetMoeAuxLossScale
+  double mtp_loss_scale_ = 1.0;      // SetMtpLossScale
+  bool mtp_per_token_ = false;
 
   ParamLayout layout_;
   std::optional<ParamShard> shard_;

@@ -116,6 +116,8 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   if (first && c.position_embedding == PositionEmbedding::kLearnedAbsolute) n += c.max_position_embeddings * h;
   if (last) {
     n += norm;  // final norm
+    // Multi-token prediction (one tensor rank and stage): per depth enorm, hnorm, eh_proj, a layer, final_layernorm.
+    n += c.mtp_num_layers * (3 * norm + 2 * h * h + layer);
     if (c.untie_embeddings_and_output_weights || !first) n += vocab_slice;
   }
   return n;

@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 #include "trainer/model_limits.h"
+#include "trainer/mtp_layout.h"
 
 namespace ptk {
 
@@ -19,6 +20,7 @@ absl::Status GPTConfig::Validate() const {
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
   auto at_least_1 = [&](const char* name, int64_t v) { return bad(fmt::format("{} {}: must be at least 1", name, v)); };
   if (num_layers < 1) return at_least_1("num_layers", num_layers);
+  PTK_RETURN_IF_ERROR(ValidateMtpConfig(*this));
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
   if (kv_channels < 0)
@@ -367,6 +369,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
     return CutExperts(all, expert_size, expert_rank);
   }
+  if (config.mtp_num_layers > 0 && (stage.size != 1 || stage.virtual_size != 1 || tensor_size > 1))
+    return absl::InvalidArgumentError(fmt::format(
+        "mtp_num_layers with {} tensor ranks and {} pipeline stages: multi-token prediction runs on one of each",
+        tensor_size, stage.size));
   if (stage.size != 1 || stage.virtual_size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
     PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
     return CutStage(whole, stage);
@@ -452,8 +458,31 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   m.wpe = embedding(add_if(config.position_embedding == PositionEmbedding::kLearnedAbsolute,
                            "embedding.position_embeddings.weight",
                            std::vector<int64_t>{config.max_position_embeddings, c}, emb_std));
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    std::string p = fmt::format("decoder.layers.{}.", l);
+  const int64_t L = config.num_layers;
+  auto final_norm = [&] {
+    m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, one);
+    m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
+  };
+  // MTP depth k's norms and eh_proj, after the decoder's final norm (k 0) or depth k - 1's final_layernorm.
+  auto mtp_norm = [&](const std::string& p, int64_t* w, int64_t* b) {  // `p` weight, and bias under LayerNorm
+    *w = add(p + "weight", {c}, 0.0, one);
+    *b = add_if(ln, p + "bias", std::vector<int64_t>{c}, 0.0);
+  };
+  auto mtp_head = [&](int64_t k) {
+    if (k == 0) final_norm();
+    if (k > 0)
+      mtp_norm(fmt::format("mtp.layers.{}.final_layernorm.", k - 1), &m.mtp.back().norm_w, &m.mtp.back().norm_b);
+    if (k == config.mtp_num_layers) return std::string();
+    const std::string q = fmt::format("mtp.layers.{}.", k);
+    MtpLayerParams mp;
+    mtp_norm(q + "enorm.", &mp.enorm_w, &mp.enorm_b);
+    mtp_norm(q + "hnorm.", &mp.hnorm_w, &mp.hnorm_b);
+    mp.eh_proj = add(q + "eh_proj.weight", {c, 2 * c}, std);
+    m.mtp.push_back(mp);
+    return q + "transformer_layer.";
+  };
+  for (int64_t l = 0; l < L + config.mtp_num_layers; ++l) {
+    std::string p = l < L ? fmt::format("decoder.layers.{}.", l) : mtp_head(l - L);
     LayerParams lp;
     lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, one);
     lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
@@ -503,10 +532,16 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.fc1_b = add_if(bias, p + "mlp.linear_fc1.bias", std::vector<int64_t>{fc1_t}, 0.0, 0.0f, 0, fc1_chunks);
     lp.fc2_w = add(p + "mlp.linear_fc2.weight", {c, ft}, out_std, 0.0f, 1);
     lp.fc2_b = add_if(bias, p + "mlp.linear_fc2.bias", std::vector<int64_t>{c}, 0.0);
+    if (l >= L) {
+      m.mtp.back().layer = lp;
+      continue;
+    }
     m.layers.push_back(lp);
   }
-  m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, one);
-  m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
+  if (config.mtp_num_layers == 0)
+    final_norm();
+  else
+    mtp_head(config.mtp_num_layers);
   m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vt, c}, std, 0.0f, 0) : m.wte;
   m.num_params = offset;
   m.chunk_first_layer = {0};

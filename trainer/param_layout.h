@@ -117,6 +117,11 @@ struct GPTConfig {
   double rotary_scaling_factor = 1.0;
   double mscale = 1.0;
   double mscale_all_dim = 0.0;
+  // Megatron's multi-token prediction (--mtp-num-layers, megatron-core's MultiTokenPredictionBlock; trainer/cpu/
+  // mtp_cpu.cpp): mtp_num_layers depths after the decoder, each predicting one token further; their losses
+  // weigh mtp_loss_scaling_factor / mtp_num_layers. 0: none.
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
 
   absl::Status Validate() const;
   absl::Status ValidateMoe() const;  // the mixture-of-experts settings (Validate's last part)
@@ -242,10 +247,19 @@ struct LayerParams {
 
 // Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by
 // every backend and by checkpoints.
+// One multi-token prediction depth's tensors (megatron-core's MultiTokenPredictionLayer, registered after the
+// decoder, before output_layer): enorm, hnorm, eh_proj (hidden x 2 hidden, no bias), its transformer layer and
+// final_layernorm. Norm biases -1 under RMSNorm.
+struct MtpLayerParams {
+  int64_t enorm_w = -1, enorm_b = -1, hnorm_w = -1, hnorm_b = -1, eh_proj = -1, norm_w = -1, norm_b = -1;
+  LayerParams layer{};
+};
+
 struct ParamLayout {
   GPTConfig config;
   std::vector<ParamInfo> infos;
   std::vector<LayerParams> layers;
+  std::vector<MtpLayerParams> mtp;                 // GPTConfig::mtp_num_layers of them (one stage, one tensor rank)
   int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;  // wpe -1 without learned positions, lnf_b -1 under RMSNorm
   int64_t out_w = 0;                               // == wte when the output layer is tied to the embedding
   int64_t num_params = 0;

@@ -315,6 +315,10 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
     const Settings mla = MlaSettingsOf(o.model);
     all.insert(all.end(), mla.begin(), mla.end());
   }
+  if (o.model.mtp_num_layers > 0) {  // multi-token prediction's (only with it: another run's read as before)
+    all.push_back({"--mtp-num-layers", std::to_string(o.model.mtp_num_layers)});
+    all.push_back({"--mtp-loss-scaling-factor", Num(o.model.mtp_loss_scaling_factor)});
+  }
   for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})
     all.insert(all.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   return all;

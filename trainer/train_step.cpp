@@ -117,6 +117,11 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   }
   if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_z_loss_coeff > 0)
     r.z_loss = local[3] / (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers()));
+  if (!losses.mtp_losses.empty()) {  // MTPLossLoggingHelper: averaged over the data ranks, then the micro-batches
+    r.mtp_losses = losses.mtp_losses;
+    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(r.mtp_losses.data(), static_cast<int64_t>(r.mtp_losses.size())));
+    for (double& v : r.mtp_losses) v /= static_cast<double>(micro_batches.size()) * comm_->size();
+  }
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
   PTK_RETURN_IF_ERROR(MeasureGrads(&r));
   return r;
@@ -162,6 +167,11 @@ absl::StatusOr<LossSum> TrainStep::ForwardBackwardMicroBatches(const std::vector
     const bool arm = !buckets_.empty() && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
     model_->SetMoeAuxLossScale(MoeAuxLossScale(mb, scale, loss_scale, micro_batches.size()));
+    // Megatron's MTPLossAutoScaler scale: the main loss's (schedules.py), its tokens the depth's own.
+    model_->SetMtpLossScale(config_.calculate_per_token_loss
+                                ? scale * loss_scale
+                                : MoeAuxLossScale(mb, scale, loss_scale, micro_batches.size()),
+                            config_.calculate_per_token_loss);
     // The losses are read once, after the last micro-batch (TakeLosses).
     absl::Status s = model_->ForwardBackwardDeferred(mb, scale * loss_scale, /*train=*/true, seed);
     if (arm) {

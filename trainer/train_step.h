@@ -87,6 +87,9 @@ struct StepResult {
   // over the micro-batches, summed over the stages and, as Megatron's tracker reduces it over no other group,
   // the last data rank's, which prints Megatron's log); 0 otherwise.
   double z_loss = 0;
+  // Multi-token prediction: Megatron's logged mtp_K loss per depth (each micro-batch's masked mean over the depth's
+  // rolled tokens, averaged over the micro-batches and data ranks); empty without.
+  std::vector<double> mtp_losses;
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 

@@ -49,6 +49,16 @@ void Trainer::TensorBoardScalar(const std::string& tag, double value) {
   outputs_.tb->AddScalar(tag + " vs samples", value, state_.consumed_train_samples);
 }
 
+namespace {
+// Multi-token prediction's entries of a --metrics-file line: , "mtp_K_loss": X per depth.
+std::string MtpMetricsFields(const StepResult& r) {
+  std::string s;
+  for (size_t k = 0; k < r.mtp_losses.size(); ++k)
+    s += fmt::format(", \"mtp_{}_loss\": {}", k + 1, JsonNumber(r.mtp_losses[k]));
+  return s;
+}
+}  // namespace
+
 absl::Status Trainer::Log(const StepResult& r) {
   const double lr_now = step_->scheduler().lr();  // Megatron logs the rate after the scheduler step
   std::optional<double> params_norm;
@@ -58,9 +68,9 @@ absl::Status Trainer::Log(const StepResult& r) {
   if (outputs_.metrics.is_open())
     PTK_RETURN_IF_ERROR(outputs_.metrics.Append(fmt::format(
         "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
-        "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
+        "{}, \"skipped\": {}, \"tokens\": {:.0f}{}}}\n",
         state_.iteration, state_.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
-        JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
+        JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens, MtpMetricsFields(r))));
   if (outputs_.tb && state_.iteration % o_.tensorboard.log_interval == 0) {
     TensorBoardScalar("learning-rate", lr_now);
     // Megatron's, by iteration only, once --iterations-to-skip has skipped one.
@@ -80,6 +90,8 @@ absl::Status Trainer::Log(const StepResult& r) {
   if (outputs_.tb && o_.model.moe() && o_.model.moe_z_loss_coeff > 0) TensorBoardScalar("z_loss", r.z_loss);
   if (outputs_.tb && o_.model.moe() && o_.model.moe_aux_loss_coeff > 0)
     TensorBoardScalar("load_balancing_loss", r.load_balancing_loss);
+  for (size_t k = 0; outputs_.tb && k < r.mtp_losses.size(); ++k)  // track_mtp_metrics: every iteration too
+    TensorBoardScalar(fmt::format("mtp_{} loss", k + 1), r.mtp_losses[k]);
   if (!interval_.Due(state_.iteration)) return absl::OkStatus();
   LogLineFields f;
   f.iteration = state_.iteration;

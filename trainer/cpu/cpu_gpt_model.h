@@ -149,6 +149,17 @@ class CpuGPTModel final : public GPTModel {
   void MlaQkvForward(int64_t l, const LayerParams& lp);
   void MlaQkvBackward(int64_t l, const LayerParams& lp);
   void PrepareMla(int64_t t);
+  // Multi-token prediction (mtp_cpu.cpp): after the main loss, each depth's forward, loss and backward; leaves
+  // the decoder output's gradient from the first depth in dlnf_extra_, which RunBackward adds to the final
+  // norm's output gradient (a depth's pass: the next depth's). mtp_pass_: a depth's pass (no embedding).
+  struct MtpState;
+  class MtpSwap;
+  absl::Status MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s);
+  absl::Status MtpForward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s);
+  absl::Status MtpBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  std::shared_ptr<MtpState> mtp_;
+  bool mtp_pass_ = false;
+  const float* dlnf_extra_ = nullptr;
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);
 

@@ -106,7 +106,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
   };
 
   // A later (virtual) pipeline stage starts from the previous one's output, already in resid[l0].
-  if (chunk_pre_process()) {
+  if (chunk_pre_process() && !mtp_pass_) {
     if (!tp) {
       cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, At(P, layout_.wpe), n,
                             c);
@@ -213,6 +213,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
                         P + layout_.out_w, n, c, vp);
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
+    for (int64_t i = 0; dlnf_extra_ && i < n * c; ++i) a.dln[i] += dlnf_extra_[i];  // multi-token prediction's
     std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[Ls].data(), P, layout_.lnf_w, layout_.lnf_b,
                  a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
@@ -259,7 +260,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     GradsReady(static_cast<size_t>(stage_layers() - l));  // layer l
   }
   // A later pipeline stage leaves its input's gradient in dresid, for the previous stage.
-  if (chunk_pre_process()) {
+  if (chunk_pre_process() && !mtp_pass_) {
     DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout, context_positions_);
     if (!tp())
       cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
@@ -301,7 +302,10 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
   s.load_balancing_loss = moe_aux_sum_;
   s.z_loss = moe_z_sum_;
-  PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
+  if (config().mtp_num_layers > 0) PTK_RETURN_IF_ERROR(MtpForwardBackward(batch, train, seed, &s));
+  const absl::Status backward = RunBackward(batch, train, seed);
+  dlnf_extra_ = nullptr;
+  PTK_RETURN_IF_ERROR(backward);
   return s;
 }
 

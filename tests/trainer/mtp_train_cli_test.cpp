@@ -1,0 +1,167 @@
+// ptk-train's multi-token prediction end to end (--mtp-num-layers, CPU): the log line's mtp_K loss entries after
+// the lm loss, --metrics-file's mtp_K_loss, checkpoints under megatron-core's mtp.layers.K names that resume bit
+// for bit (dropout on: the depths' masks keyed too), two data ranks training as one, ptk-convert's refusal,
+// --dry-run's parameter count against megatron-core's (tests/data/trainer/mtp_tied's tensors), and every
+// combination not implemented refused in one line naming it.
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+class MtpTrainCli : public testing::RanksTest {
+ protected:
+  MtpTrainCli() : RanksTest(testing::kSmallVocabEod) {}
+  std::string Train(const std::string& extra, int64_t iters = 6) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --mtp-num-layers 2 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + " " + extra;
+  }
+};
+
+TEST_F(MtpTrainCli, TrainsLogsTheDepthsLossesAndSavesMegatronsNames) {
+  const std::string metrics = dir_ / "metrics.jsonl";
+  auto r = RunCmd(Train("--save " + ShellQuote(dir_ / "ck") + " --metrics-file " + ShellQuote(metrics), 4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::LossesOf(r.output).size(), 4u) << r.output;
+  // Megatron's order: lm loss, the MoE entries (none here), then mtp_1 loss, mtp_2 loss, before the loss scale.
+  const std::regex line(R"(\| lm loss: \S+ \| mtp_1 loss: \S+ \| mtp_2 loss: \S+ \| loss scale: )");
+  int lines = 0;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), line); it != std::sregex_iterator(); ++it)
+    ++lines;
+  EXPECT_EQ(lines, 4) << r.output;
+  std::ifstream f(metrics);
+  std::string first;
+  std::getline(f, first);
+  EXPECT_NE(first.find("\"mtp_1_loss\": "), std::string::npos) << first;
+  EXPECT_NE(first.find("\"mtp_2_loss\": "), std::string::npos) << first;
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.num_layers = 2;
+  c.mtp_num_layers = 2;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const char* name :
+       {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.bias", "mtp.layers.1.eh_proj.weight",
+        "mtp.layers.1.transformer_layer.mlp.linear_fc2.weight", "mtp.layers.1.final_layernorm.weight"})
+    EXPECT_NE(layout->Find(name), nullptr) << name;
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status loaded = LoadCheckpoint(dir_ / "ck", 4, *layout, &p, &m, &v, &st);
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  c.mtp_num_layers = 1;  // another depth count is another model
+  auto other = ParamLayout::Create(c);
+  EXPECT_FALSE(LoadCheckpoint(dir_ / "ck", 4, *other, &p, &m, &v, &st).ok());
+  for (const char* saver : {"hf", "megatron"}) {
+    const std::string out = dir_ / (std::string("export-") + saver);
+    auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(out));
+    EXPECT_NE(e.exit_code, 0) << e.output;
+    EXPECT_NE(e.output.find("a multi-token prediction model (--mtp-num-layers 2): ptk-convert does not export MTP"),
+              std::string::npos)
+        << e.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << saver;
+  }
+}
+
+TEST_F(MtpTrainCli, AStoppedRunResumesBitForBit) {
+  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  ASSERT_EQ(b.size(), 3u) << resumed.output;
+  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  EXPECT_NE(b[0].find(" mtp_1 loss: "), std::string::npos) << b[0];
+  // Without the depths the checkpoint is another model.
+  const std::string plain =
+      std::regex_replace(Train("--load " + ShellQuote(dir_ / "ck")), std::regex(" --mtp-num-layers 2"), "");
+  auto r = RunCmd(plain);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--mtp-num-layers"), std::string::npos) << r.output;
+}
+
+TEST_F(MtpTrainCli, TwoDataRanksTrainAsOneRankDoes) {
+  auto one = RunCmd(Train(""));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(""), testing::LossesOf(one.output), 6, 1e-5, "D=2", &out));
+}
+
+// megatron-core's parameter count of tests/data/trainer/mtp_tied's model (its golden's tensors).
+TEST_F(MtpTrainCli, DryRunCountsParametersAsMegatron) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/mtp_tied.json");
+  int64_t megatron = 0;
+  for (auto name : meta["param_order"].get_array()) {
+    int64_t n = 1;
+    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
+      n *= int64_t(d);
+    megatron += n;
+  }
+  auto r = RunCmd(testing::Tool("ptk-train") +
+                  " --dry-run --num-layers 2 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
+                  " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
+                  " --micro-batch-size 2 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mtp-num-layers 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
+                                                                                                    << r.output;
+}
+
+TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
+  const std::string base = testing::Tool("ptk-train") +
+                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
+                           testing::SmallVocabFlags();
+  const std::string mtp = " --mtp-num-layers 1";
+  const std::string with = "usage error: --mtp-num-layers with ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {mtp + " --mtp-standalone", "usage error: --mtp-standalone: multi-token prediction on a pipeline stage"},
+      {" --mtp-standalone", "usage error: --mtp-standalone"},
+      {mtp + " --tensor-model-parallel-size 2", with + "--tensor-model-parallel-size 2: ptk's multi-token"},
+      {mtp + " --pipeline-model-parallel-size 2", with + "--pipeline-model-parallel-size 2"},
+      {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2"},
+      {mtp + " --num-experts 2 --disable-bias-linear", with + "--num-experts 2"},
+      {mtp + " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4",
+       with + "--multi-latent-attention"},
+      {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},
+      {mtp + " --device cuda", with + "--device cuda"},
+      {mtp + " --dry-run --bf16", with + "--device cuda"},
+      {mtp + " --dry-run --tensor-model-parallel-size 2", with + "--tensor-model-parallel-size 2"},
+      {" --mtp-num-layers -1", "usage error: --mtp-num-layers"},
+      {mtp + " --mtp-loss-scaling-factor -1", "usage error: --mtp-loss-scaling-factor"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+  }
+  auto plain = RunCmd(base + " --mtp-loss-scaling-factor 0.5 --train-iters 1");
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("--mtp-loss-scaling-factor: accepted, no effect without --mtp-num-layers"),
+            std::string::npos)
+      << plain.output;
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,200 @@
+// Multi-token prediction on the CPU (megatron-core 0.16.1's MultiTokenPredictionBlock and GPTModel._postprocess):
+// depth k (0-based) embeds the input tokens and positions rolled left k + 1 times (the last position zero, as
+// roll_tensor), normalises them (enorm) and the previous hidden states (hnorm: the decoder's output after its final
+// norm for the first depth, the previous depth's after its final_layernorm), projects [embedding, hidden] with
+// eh_proj (2h -> h, no bias), runs its transformer layer and final_layernorm, and the shared output layer gives
+// logits scored against the labels and loss mask rolled likewise. Each depth's masked token losses weigh
+// mtp_loss_scaling_factor / mtp_num_layers x GPTModel::SetMtpLossScale's scale, over the depth's tokens unless
+// per token (MTPLossAutoScaler). The transformer layer and head run through the model's own passes
+// (RunForward / RunBackward) on a one-layer layout of the depth's tensors swapped in for the pass.
+#include <algorithm>
+#include <utility>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/ops_cpu.h"
+
+namespace ptk {
+
+using cpu_model_detail::At;
+using cpu_model_detail::NormBackward;
+using cpu_model_detail::NormForward;
+
+struct CpuGPTModel::MtpState {
+  struct Depth {
+    ParamLayout layout;  // the depth's transformer layer as layer 0, its final_layernorm as the final norm
+    Activations act;
+    std::vector<int32_t> tokens, positions, labels;
+    std::vector<float> mask, emb, en, en_mean, en_rstd, hn, hn_mean, hn_rstd, x, dx, demb, dh;
+    double tokens_count = 0;
+  };
+  std::vector<Depth> depths;
+};
+
+namespace {
+// roll_tensor(shifts=-1) over each sample's row: element i takes i + 1, the last is zero.
+template <typename T>
+void RollRows(std::vector<T>* out, const T* in, int64_t b, int64_t t) {
+  out->resize(static_cast<size_t>(b * t));
+  for (int64_t r = 0; r < b; ++r) {
+    std::copy(in + r * t + 1, in + (r + 1) * t, out->data() + r * t);
+    (*out)[static_cast<size_t>(r * t + t - 1)] = T(0);
+  }
+}
+// The depth's embedding dropout (hidden_dropout, as the decoder's embedding), keyed by the depth's layer index.
+void EmbeddingDropout(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, int64_t layer) {
+  if (p <= 0.0) return;
+  for (int64_t r = 0; r < batch.b; ++r)
+    cpu::Dropout(
+        x + r * batch.t * c, batch.t * c, p, seed,
+        DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]), static_cast<uint64_t>(layer), kEmbeddingDropout));
+}
+}  // namespace
+
+// Swaps depth k's layout and activations in for one of the model's passes (and back when it ends).
+class CpuGPTModel::MtpSwap {
+ public:
+  MtpSwap(CpuGPTModel* m, MtpState::Depth* d) : m_(m), d_(d), act_(m->act_) {
+    std::swap(m_->layout_, d_->layout);
+    m_->act_ = &d_->act;
+    m_->mtp_pass_ = true;
+  }
+  ~MtpSwap() {
+    std::swap(m_->layout_, d_->layout);
+    m_->act_ = act_;
+    m_->mtp_pass_ = false;
+  }
+
+ private:
+  CpuGPTModel* m_;
+  MtpState::Depth* d_;
+  Activations* act_;
+};
+
+absl::Status CpuGPTModel::MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
+  if (cp()) return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
+  PTK_RETURN_IF_ERROR(MtpForward(batch, train, seed, s));
+  return MtpBackward(batch, train, seed);
+}
+
+absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
+  const GPTConfig& cf = config();
+  const int64_t N = cf.mtp_num_layers, L = cf.num_layers, n = batch.b * batch.t, c = cf.hidden_size;
+  const double p = train ? cf.hidden_dropout : 0.0;
+  if (!mtp_) mtp_ = std::make_shared<MtpState>();
+  if (mtp_->depths.size() != static_cast<size_t>(N)) {
+    mtp_->depths.assign(static_cast<size_t>(N), {});
+    for (int64_t k = 0; k < N; ++k) {
+      MtpState::Depth& d = mtp_->depths[static_cast<size_t>(k)];
+      const MtpLayerParams& mp = layout_.mtp[static_cast<size_t>(k)];
+      d.layout.config = cf;
+      d.layout.layers = {mp.layer};
+      d.layout.wte = layout_.wte;
+      d.layout.wpe = layout_.wpe;
+      d.layout.lnf_w = mp.norm_w;
+      d.layout.lnf_b = mp.norm_b;
+      d.layout.out_w = layout_.out_w;
+      d.layout.num_params = layout_.num_params;
+      d.layout.first_layer = L + 1 + k;  // the dropout keys: past the decoder's layers and its embedding's key L
+      d.layout.chunk_first_layer = {L + 1 + k};
+    }
+  }
+  const float* P = params_.data();
+  Activations& main = *act_;
+  const int32_t* tokens = batch.tokens;
+  const int32_t* positions = batch.position_ids;
+  const int32_t* labels = batch.labels;
+  const float* mask = batch.loss_mask;
+  const float* hin = main.lnf.data();
+  s->mtp_losses.assign(static_cast<size_t>(N), 0.0);
+  auto fit = [](std::vector<float>& v, int64_t size) { v.assign(static_cast<size_t>(size), 0.0f); };
+  for (int64_t k = 0; k < N; ++k) {
+    MtpState::Depth& d = mtp_->depths[static_cast<size_t>(k)];
+    const MtpLayerParams& mp = layout_.mtp[static_cast<size_t>(k)];
+    RollRows(&d.tokens, tokens, batch.b, batch.t);
+    RollRows(&d.positions, positions, batch.b, batch.t);
+    RollRows(&d.labels, labels, batch.b, batch.t);
+    RollRows(&d.mask, mask, batch.b, batch.t);
+    tokens = d.tokens.data(), positions = d.positions.data(), labels = d.labels.data(), mask = d.mask.data();
+    if (d.act.b != batch.b || d.act.t != batch.t) {
+      SizeActivations(d.layout, 0, false, batch.b, batch.t, 1, &d.act);
+      d.act.b = batch.b, d.act.t = batch.t, d.act.chunk = 0;
+      for (auto* v : {&d.emb, &d.en, &d.hn, &d.demb, &d.dh}) fit(*v, n * c);
+      for (auto* v : {&d.en_mean, &d.en_rstd, &d.hn_mean, &d.hn_rstd}) fit(*v, n);
+      for (auto* v : {&d.x, &d.dx}) fit(*v, 2 * n * c);
+    }
+    d.act.rope_cos = main.rope_cos;
+    d.act.rope_sin = main.rope_sin;
+    cpu::EmbeddingForward(d.emb.data(), tokens, positions, P + layout_.wte, At(P, layout_.wpe), n, c);
+    EmbeddingDropout(d.emb.data(), batch, c, p, seed, L + 1 + k);
+    NormForward(cf, d.en.data(), d.en_mean.data(), d.en_rstd.data(), d.emb.data(), P, mp.enorm_w, mp.enorm_b, n, c);
+    NormForward(cf, d.hn.data(), d.hn_mean.data(), d.hn_rstd.data(), hin, P, mp.hnorm_w, mp.hnorm_b, n, c);
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy(d.en.begin() + i * c, d.en.begin() + (i + 1) * c, d.x.begin() + 2 * i * c);
+      std::copy(d.hn.begin() + i * c, d.hn.begin() + (i + 1) * c, d.x.begin() + (2 * i + 1) * c);
+    }
+    cpu::MatmulForward(d.act.resid[0].data(), d.x.data(), P + mp.eh_proj, static_cast<const float*>(nullptr), n, 2 * c,
+                       c);
+    ModelBatch bk = batch;
+    bk.tokens = tokens, bk.position_ids = positions, bk.labels = labels, bk.loss_mask = mask;
+    d.tokens_count = 0;
+    for (int64_t i = 0; i < n; ++i) d.tokens_count += mask[i];
+    const double w = cf.mtp_loss_scaling_factor / static_cast<double>(N) * mtp_loss_scale_ /
+                     (mtp_per_token_ ? 1.0 : std::max(d.tokens_count, 1.0));
+    {
+      MtpSwap swap(this, &d);
+      PTK_RETURN_IF_ERROR(RunForward(bk, train, seed));
+      for (int64_t i = 0; i < n; ++i) d.act.dloss[i] = static_cast<float>(mask[i] * w);
+      PTK_RETURN_IF_ERROR(Loss(bk, d.act.dloss.data()));
+    }
+    // Megatron divides by the depth's tokens unclamped (0/0 when a micro-batch has none); ptk logs 0 then.
+    const LossSum ls = SumLosses(d.act.losses, mask, n);
+    s->mtp_losses[static_cast<size_t>(k)] = d.tokens_count > 0 ? ls.loss_sum / d.tokens_count : 0.0;
+    hin = d.act.lnf.data();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  const int64_t N = cf.mtp_num_layers, L = cf.num_layers, n = batch.b * batch.t, c = cf.hidden_size;
+  const double p = train ? cf.hidden_dropout : 0.0;
+  const float* P = params_.data();
+  float* G = grads_.data();
+  Activations& main = *act_;
+  for (int64_t k = N - 1; k >= 0; --k) {
+    MtpState::Depth& d = mtp_->depths[static_cast<size_t>(k)];
+    const MtpLayerParams& mp = layout_.mtp[static_cast<size_t>(k)];
+    ModelBatch bk = batch;
+    bk.tokens = d.tokens.data(), bk.position_ids = d.positions.data(), bk.labels = d.labels.data();
+    bk.loss_mask = d.mask.data();
+    dlnf_extra_ = k + 1 < N ? mtp_->depths[static_cast<size_t>(k + 1)].dh.data() : nullptr;
+    {
+      MtpSwap swap(this, &d);
+      PTK_RETURN_IF_ERROR(RunBackward(bk, train, seed));
+    }
+    dlnf_extra_ = nullptr;
+    std::fill(d.dx.begin(), d.dx.end(), 0.0f);
+    cpu::MatmulBackward(d.dx.data(), G + mp.eh_proj, static_cast<float*>(nullptr), d.act.dresid.data(), d.x.data(),
+                        P + mp.eh_proj, n, 2 * c, c);
+    for (int64_t i = 0; i < n; ++i) {  // dx's halves: the normalised embedding's and hidden states' gradients
+      std::copy(d.dx.begin() + 2 * i * c, d.dx.begin() + (2 * i + 1) * c, d.en.begin() + i * c);
+      std::copy(d.dx.begin() + (2 * i + 1) * c, d.dx.begin() + (2 * i + 2) * c, d.hn.begin() + i * c);
+    }
+    std::fill(d.demb.begin(), d.demb.end(), 0.0f);
+    NormBackward(cf, d.demb.data(), G, d.en.data(), d.emb.data(), P, mp.enorm_w, mp.enorm_b, d.en_mean.data(),
+                 d.en_rstd.data(), n, c);
+    EmbeddingDropout(d.demb.data(), batch, c, p, seed, L + 1 + k);
+    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), d.demb.data(), bk.tokens, bk.position_ids, n, c);
+    const float* h = k == 0 ? main.lnf.data() : mtp_->depths[static_cast<size_t>(k - 1)].act.lnf.data();
+    std::fill(d.dh.begin(), d.dh.end(), 0.0f);
+    NormBackward(cf, d.dh.data(), G, d.hn.data(), h, P, mp.hnorm_w, mp.hnorm_b, d.hn_mean.data(), d.hn_rstd.data(), n,
+                 c);
+  }
+  dlnf_extra_ = mtp_->depths[0].dh.data();  // the decoder's output: its gradient from the first depth's hnorm
+  return absl::OkStatus();
+}
+
+}  // namespace ptk
