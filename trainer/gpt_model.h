@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,15 @@ struct LossSum {
   // each one's z-loss without its coefficient (what Megatron's tracker adds as z_loss).
   double z_loss = 0;
 };
+
+// Mixture of experts: the training passes' seq_aux_loss and global_aux_loss values without their coefficients,
+// summed over the MoE layers and the passes (what Megatron's tracker adds as seq_load_balancing_loss and
+// global_load_balancing_loss).
+struct MoeBalanceLosses {
+  double seq = 0, global = 0;
+};
+// A model's buffers that are no parameters (Megatron's persistent ones, e.g. a router's expert_bias): name, values.
+using ModelBuffers = std::vector<std::pair<std::string, std::vector<float>>>;
 
 enum class Device { kCpu, kCuda };
 // Megatron's precision flags: none (fp32), --bf16, --fp16. Master weights, gradients, AdamW
@@ -121,6 +131,18 @@ class GPTModel {
   // training passes, beside its coefficient (Megatron's MoEAuxLossAutoScaler scale: the loss scale over
   // the micro-batches, here also over the data ranks, whose gradients TrainStep sums). Default 1.
   void SetMoeAuxLossScale(double scale) { moe_aux_loss_scale_ = scale; }
+  // Load balancing beyond aux_loss (trainer/cpu/moe_balance.cpp; the CPU backend's): `data` is the group whose
+  // token counts global_aux_loss and the expert bias sum (Megatron's tensor x data x context group; null: one
+  // rank). TakeMoeBalanceLosses: the passes' sums since the last call. FinishMoeStep, once the step's gradients are
+  // reduced (Megatron's finalize_model_grads): the expert biases updated from the step's counts summed over
+  // `data`, and global_aux_loss's counts reset.
+  void SetMoeDataComm(Communicator* data) { moe_data_comm_ = data; }
+  virtual MoeBalanceLosses TakeMoeBalanceLosses() { return {}; }
+  virtual absl::Status FinishMoeStep() { return absl::OkStatus(); }
+  // The model's buffers (saved in checkpoints beside the parameters), and their load: every buffer the model
+  // has must be there (named as ReadBuffers names it, of its size).
+  virtual ModelBuffers ReadBuffers() const { return {}; }
+  virtual absl::Status WriteBuffers(const ModelBuffers& in);
   // Forward and backward of one micro-batch: returns the masked loss sum and token count, and adds
   // d(loss_scale * sum(loss * mask)) to the fp32 gradients. `train` applies dropout (keyed by seed).
   virtual absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
@@ -315,6 +337,8 @@ class GPTModel {
   }
   int chunk_ = 0;
   double moe_aux_loss_scale_ = 1.0;  // SetMoeAuxLossScale
+  // SetMoeDataComm's group.
+  Communicator* moe_data_comm_ = nullptr;
 
   ParamLayout layout_;
   std::optional<ParamShard> shard_;

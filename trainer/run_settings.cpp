@@ -140,6 +140,12 @@ Settings MoeSettingsOf(const GPTConfig& m) {
        m.moe_router_topk_scaling_factor > 0 ? Num(m.moe_router_topk_scaling_factor) : ""},
       {"--moe-router-num-groups", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_num_groups) : ""},
       {"--moe-router-group-topk", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_group_topk) : ""},
+      {"--moe-router-load-balancing-type seq_aux_loss",
+       m.moe_seq_aux_loss_coeff > 0 ? Num(m.moe_seq_aux_loss_coeff) : ""},
+      {"--moe-router-load-balancing-type global_aux_loss",
+       m.moe_global_aux_loss_coeff > 0 ? Num(m.moe_global_aux_loss_coeff) : ""},
+      {"--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias ? "on" : ""},
+      {"--moe-router-bias-update-rate", m.moe_router_enable_expert_bias ? Num(m.moe_router_bias_update_rate) : ""},
   };
 }
 

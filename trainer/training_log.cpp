@@ -298,6 +298,8 @@ void LogInterval::Add(const StepResult& r) {
   ++iters_;
   load_balancing_ += r.load_balancing_loss;  // Megatron's track_moe_metrics adds every iteration's, skipped or not
   z_loss_ += r.z_loss;
+  seq_load_balancing_ += r.seq_load_balancing_loss;
+  global_load_balancing_ += r.global_load_balancing_loss;
   if (r.skipped) {
     ++skipped_;
     if (!r.overflow) ++nan_;
@@ -324,6 +326,8 @@ void LogInterval::Fill(const StepResult& r, double flops, int world, bool throug
   f->lm_loss = advanced_ > 0 ? loss_ / static_cast<double>(advanced_) : 0.0;
   f->load_balancing_loss = load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->z_loss = z_loss_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
+  f->seq_load_balancing_loss = seq_load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
+  f->global_load_balancing_loss = global_load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->skipped = skipped_;
   f->nan = nan_;
   if (!r.skipped) f->grad_norm = r.grad_norm;
@@ -335,6 +339,7 @@ void LogInterval::Logged(int64_t iteration, Clock::time_point now) {
   if (Resets(iteration)) {
     iters_ = advanced_ = skipped_ = nan_ = 0;
     loss_ = paused_seconds_ = load_balancing_ = z_loss_ = 0;
+    seq_load_balancing_ = global_load_balancing_ = 0;
     start_ = now;
   }
   logged_ = true;
@@ -385,6 +390,10 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   // Megatron's tracker order: the router saves its z-loss before its load-balancing loss.
   if (f.z_loss > 0.0) s += fmt::format(" z_loss: {:.6E} |", f.z_loss);
   if (f.load_balancing_loss > 0.0) s += fmt::format(" load_balancing_loss: {:.6E} |", f.load_balancing_loss);
+  if (f.seq_load_balancing_loss > 0.0)
+    s += fmt::format(" seq_load_balancing_loss: {:.6E} |", f.seq_load_balancing_loss);
+  if (f.global_load_balancing_loss > 0.0)
+    s += fmt::format(" global_load_balancing_loss: {:.6E} |", f.global_load_balancing_loss);
   s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
   if (f.grad_norm) s += fmt::format(" grad norm: {:.3f} |", *f.grad_norm);
   if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
