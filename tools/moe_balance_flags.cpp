@@ -54,7 +54,7 @@ absl::Status CoefficientsOf(const TrainFlags::Moe& m, GPTConfig* model, std::vec
     } else if (t == "none") {
       if (coeff > 0)
         notes->push_back(
-            "--moe-aux-loss-coeff: accepted, no effect for --moe-router-load-balancing-type none (as Megatron)");
+            "--moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type none (as Megatron)");
       continue;
     } else {
       return UsageError("--moe-router-load-balancing-type " + t +
