@@ -43,7 +43,10 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "topk / group-topk largest scores add up to the most")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--moe-router-load-balancing-type", m.load_balancing_type,
-                  "aux_loss (the default: the switch load-balancing loss, weighted by --moe-aux-loss-coeff) or none");
+                  "aux_loss (the default: the switch load-balancing loss, weighted by --moe-aux-loss-coeff), "
+                  "seq_aux_loss (each sequence's, logged as seq_load_balancing_loss), global_aux_loss (the global "
+                  "batch's counts, logged as global_load_balancing_loss) or none; a list of several takes as many "
+                  "--moe-aux-loss-coeff values");
   app->add_option("--moe-router-score-function", m.score_function,
                   "softmax (the default) or sigmoid (the top-k's sigmoids over their sum)");
   app->add_flag("--moe-router-pre-softmax", m.pre_softmax,
@@ -61,6 +64,7 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "Expert-parallel ranks: each holds --num-experts / N experts of every MoE layer (CPU; N divides the "
                   "data ranks)")
       ->check(IntIn(1, kMaxSize));
+  AddMoeBalanceFlags(app, f);  // moe_balance_flags.cpp
   AddSharedExpertFlags(app, f);
 }
 
@@ -179,16 +183,11 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
     notes->push_back("--moe-shared-expert-*: accepted, no effect without --num-experts (as Megatron)");
   if (m.num_experts == 0) {
     if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
-        !m.router_dtype.empty() || m.z_loss_coeff || m.topk_scaling_factor || m.num_groups || m.group_topk)
+        !m.router_dtype.empty() || m.z_loss_coeff || m.topk_scaling_factor || m.num_groups || m.group_topk ||
+        m.enable_expert_bias || m.bias_update_rate)
       notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
     return absl::OkStatus();
   }
-  for (const std::string& t : m.load_balancing_type)
-    if (t != "aux_loss" && t != "none")
-      return UsageError("--moe-router-load-balancing-type " + t +
-                        ": not implemented; ptk has aux_loss (the switch load-balancing loss) and none");
-  if (m.load_balancing_type.size() > 1 || m.aux_loss_coeff.size() > 1)
-    return UsageError("--moe-router-load-balancing-type / --moe-aux-loss-coeff: one type and one coefficient");
   if (m.score_function != "softmax" && m.score_function != "sigmoid")
     return UsageError("--moe-router-score-function " + m.score_function + ": softmax or sigmoid (Megatron's choices)");
   if (!m.router_dtype.empty() && m.router_dtype != "fp32")
@@ -211,12 +210,7 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
     notes->push_back(
         "--moe-router-pre-softmax: accepted, no effect with --moe-router-score-function sigmoid (as "
         "Megatron)");
-  const bool none = !m.load_balancing_type.empty() && m.load_balancing_type[0] == "none";
-  const double coeff = m.aux_loss_coeff.empty() ? 0.0 : m.aux_loss_coeff[0];
-  model->moe_aux_loss_coeff = none ? 0.0 : coeff;
-  if (none && coeff > 0)
-    notes->push_back(
-        "--moe-aux-loss-coeff: accepted, no effect with --moe-router-load-balancing-type none (as Megatron)");
+  PTK_RETURN_IF_ERROR(ResolveMoeBalance(f, model, notes));  // the load-balancing types (moe_balance_flags.cpp)
   PTK_RETURN_IF_ERROR(ResolveRouterExtras(m, model, notes));
   PTK_RETURN_IF_ERROR(ResolveSharedExpertFlags(f, model, notes));
   PTK_RETURN_IF_ERROR(ResolveLayerFreq(m.layer_freq, model->num_layers, &model->moe_layer_pattern));
@@ -275,6 +269,7 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
         moe, what));
   };
   PTK_RETURN_IF_ERROR(RefuseExpertParallel(f));
+  PTK_RETURN_IF_ERROR(RefuseMoeBalanceParallelism(f));
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
   const TrainFlags::Moe& m = f.moe;

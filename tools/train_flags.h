@@ -95,6 +95,8 @@ struct TrainFlags {
     std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
+    bool enable_expert_bias = false;  // aux-loss-free routing (moe_balance_flags.cpp)
+    std::optional<double> bias_update_rate;
     // Shared experts (shared_experts_flags.cpp): their width (none: no shared experts), the gate, the overlap.
     std::optional<int64_t> shared_expert_size;
     bool shared_expert_gate = false, shared_expert_overlap = false;
@@ -136,6 +138,12 @@ absl::Status ResolveSharedExpertFlags(const TrainFlags& flags, GPTConfig* model,
 // --fim-data: refused with --mock-data and without --num-workers 0, its flags and tokens checked (MakeFimConfig).
 absl::Status ResolveFimFlags(const TrainFlags& f, const TrainOptions& o);
 absl::Status RefuseMoeParallelism(const TrainFlags& flags);
+// The load-balancing flags (moe_balance_flags.cpp): --moe-router-enable-expert-bias and
+// --moe-router-bias-update-rate declared; the load-balancing types and their coefficients resolved (called by
+// AddMoeFlags and ResolveMoeFlags), and what ptk has not implemented of them with parallelism refused.
+void AddMoeBalanceFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveMoeBalance(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+absl::Status RefuseMoeBalanceParallelism(const TrainFlags& flags);
 absl::Status RefuseMoeDevice(const TrainFlags& flags, Device device);
 // Megatron's multi-latent attention flags (mla_flags.cpp), added by AddTrainFlags; their settings into
 // `model` (a usage error naming the flag for a combination ptk has not); the parallelism (tensor, context)

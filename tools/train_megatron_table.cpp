@@ -133,8 +133,8 @@ constexpr Group kGroups[] = {
     {false, "no tokenizer model is read from the checkpoint (ptk-train reads GPT-2 BPE data)",
      "--disable-use-tokenizer-model-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args"},
     {true, "this mixture-of-experts feature is not implemented: ptk's MoE is dropless top-k routing with softmax "
-           "or sigmoid scores (no capacity, expert bias or jitter), SequentialMLP experts (and shared "
-           "experts), aux_loss or none",
+           "or sigmoid scores (no capacity or jitter), SequentialMLP experts (and shared experts), aux_loss, "
+           "seq_aux_loss, global_aux_loss or none",
      "--ep-overlap-early-attn-memory-release "
      "--expert-tensor-parallel-size= --moe-apply-probs-on-input "
      "--moe-deepep-num-sms= --moe-enable-deepep --moe-enable-routing-replay "
@@ -142,8 +142,7 @@ constexpr Group kGroups[] = {
      "--moe-flex-dispatcher-backend= --moe-hybridep-num-sms= "
      "--moe-input-jitter-eps= --moe-latent-size= --moe-layer-recompute "
      "--moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference "
-     "--moe-router-bias-update-rate= "
-     "--moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion "
+     "--moe-router-force-load-balancing --moe-router-fusion "
      "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "
      "--moe-token-drop-policy= --moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
      "--moe-use-upcycling --overlap-moe-expert-parallel-comm "

@@ -369,7 +369,17 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     for (int64_t l : stage_layers) w.Value(l);
     w.EndArray().Key("model").Raw(ModelJson(layout.config)).Key("settings").BeginArray();
     for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
-    w.EndArray().Key("tensors").BeginArray();
+    w.EndArray();
+    if (!state.buffers.empty()) {  // each float exactly (its shortest repr as a double reads back to it)
+      w.Key("buffers").BeginArray();
+      for (const auto& [name, values] : state.buffers) {
+        w.BeginObject().Field("name", name).Key("values").BeginArray();
+        for (float v : values) w.Value(static_cast<double>(v));
+        w.EndArray().EndObject();
+      }
+      w.EndArray();
+    }
+    w.Key("tensors").BeginArray();
     for (const ParamInfo& p : layout.infos) {
       // Model chunks: Megatron's state of each (model0, model1, ...), its layers numbered from 0.
       const auto [chunk, name] = ChunkName(layout, p.name);

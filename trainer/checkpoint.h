@@ -45,6 +45,9 @@ struct TrainState {
   // The settings a resumed run compares with its own (flag name, value), e.g. {"--seed", "1234"}.
   // Empty in checkpoints written before they were recorded.
   std::vector<std::pair<std::string, std::string>> settings;
+  // The model's buffers (GPTModel::ReadBuffers: a router's expert_bias under Megatron's name), every rank's alike;
+  // empty where the model has none (and in checkpoints written before them).
+  ModelBuffers buffers;
 };
 
 // The setting (TrainState::settings; value "none") of a checkpoint imported from one that held no

@@ -152,6 +152,21 @@ absl::Status ReadHeaderState(simdjson::dom::element h, const std::function<absl:
   double wall = 0;
   if (!h["wall_seconds"].get(wall)) state->wall_seconds = wall;
   if (!ReadHeaderSettings(h, &state->settings)) return corrupt("malformed settings in the header");
+  state->buffers.clear();  // the model's buffers, where it has any
+  simdjson::dom::array buffers;
+  if (!h["buffers"].get(buffers))
+    for (simdjson::dom::element b : buffers) {
+      std::string_view name;
+      simdjson::dom::array values;
+      if (b["name"].get(name) || b["values"].get(values)) return corrupt("malformed buffers in the header");
+      std::vector<float> v;
+      for (simdjson::dom::element x : values) {
+        double d = 0;
+        if (x.get(d)) return corrupt(fmt::format("malformed buffer {} in the header", name));
+        v.push_back(static_cast<float>(d));
+      }
+      state->buffers.emplace_back(std::string(name), std::move(v));
+    }
   return absl::OkStatus();
 }
 

@@ -123,6 +123,13 @@ absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double l
   return absl::OkStatus();
 }
 
+absl::Status GPTModel::WriteBuffers(const ModelBuffers& in) {
+  if (in.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      fmt::format("the checkpoint holds {} (saved with --moe-router-enable-expert-bias?), a buffer this model has not",
+                  in.front().first));
+}
+
 absl::StatusOr<LossSum> GPTModel::TakeLosses() {
   const LossSum s = deferred_;
   deferred_ = LossSum{};

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -51,6 +52,15 @@ struct LossSum {
     for (size_t k = 0; k < o.mtp_losses.size(); ++k) mtp_losses[k] += o.mtp_losses[k];
   }
 };
+
+// Mixture of experts: the training passes' seq_aux_loss and global_aux_loss values without their coefficients,
+// summed over the MoE layers and the passes (what Megatron's tracker adds as seq_load_balancing_loss and
+// global_load_balancing_loss).
+struct MoeBalanceLosses {
+  double seq = 0, global = 0;
+};
+// A model's buffers that are no parameters (Megatron's persistent ones, e.g. a router's expert_bias): name, values.
+using ModelBuffers = std::vector<std::pair<std::string, std::vector<float>>>;
 
 enum class Device { kCpu, kCuda };
 // Megatron's precision flags: none (fp32), --bf16, --fp16. Master weights, gradients, AdamW
@@ -128,6 +138,18 @@ class GPTModel {
   // training passes, beside its coefficient (Megatron's MoEAuxLossAutoScaler scale: the loss scale over
   // the micro-batches, here also over the data ranks, whose gradients TrainStep sums). Default 1.
   void SetMoeAuxLossScale(double scale) { moe_aux_loss_scale_ = scale; }
+  // Load balancing beyond aux_loss (trainer/cpu/moe_balance.cpp; the CPU backend's): `data` is the group whose
+  // token counts global_aux_loss and the expert bias sum (Megatron's tensor x data x context group; null: one
+  // rank). TakeMoeBalanceLosses: the passes' sums since the last call. FinishMoeStep, once the step's gradients are
+  // reduced (Megatron's finalize_model_grads): the expert biases updated from the step's counts summed over
+  // `data`, and global_aux_loss's counts reset.
+  void SetMoeDataComm(Communicator* data) { moe_data_comm_ = data; }
+  virtual MoeBalanceLosses TakeMoeBalanceLosses() { return {}; }
+  virtual absl::Status FinishMoeStep() { return absl::OkStatus(); }
+  // The model's buffers (saved in checkpoints beside the parameters), and their load: every buffer the model
+  // has must be there (named as ReadBuffers names it, of its size).
+  virtual ModelBuffers ReadBuffers() const { return {}; }
+  virtual absl::Status WriteBuffers(const ModelBuffers& in);
   // Multi-token prediction: Megatron's MTPLossAutoScaler scale of the next training passes: each depth's token
   // losses weigh mtp_loss_scaling_factor / mtp_num_layers x `scale`, over the depth's tokens unless `per_token`.
   void SetMtpLossScale(double scale, bool per_token) {
@@ -328,6 +350,8 @@ class GPTModel {
   }
   int chunk_ = 0;
   double moe_aux_loss_scale_ = 1.0;  // SetMoeAuxLossScale
+  // SetMoeDataComm's group.
+  Communicator* moe_data_comm_ = nullptr;
   double mtp_loss_scale_ = 1.0;      // SetMtpLossScale
   bool mtp_per_token_ = false;
 

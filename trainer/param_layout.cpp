@@ -118,6 +118,11 @@ absl::Status GPTConfig::ValidateMoe() const {
     return bad(fmt::format("moe_aux_loss_coeff {}: must be at least 0", moe_aux_loss_coeff));
   if (!(moe_z_loss_coeff >= 0 && std::isfinite(moe_z_loss_coeff)))
     return bad(fmt::format("moe_z_loss_coeff {}: must be at least 0", moe_z_loss_coeff));
+  for (double coeff : {moe_seq_aux_loss_coeff, moe_global_aux_loss_coeff, moe_router_bias_update_rate})
+    if (!(coeff >= 0 && std::isfinite(coeff)))
+      return bad(fmt::format("a load-balancing coefficient or bias update rate of {}: must be at least 0", coeff));
+  if (moe_router_enable_expert_bias && !moe_router_sigmoid)
+    return bad("moe_router_enable_expert_bias needs the sigmoid score function (Megatron's TransformerConfig)");
   if (!(moe_router_topk_scaling_factor >= 0 && std::isfinite(moe_router_topk_scaling_factor)))
     return bad(
         fmt::format("moe_router_topk_scaling_factor {}: must be above 0 (or 0: none)", moe_router_topk_scaling_factor));

@@ -93,6 +93,13 @@ struct GPTConfig {
   double moe_router_topk_scaling_factor = 0;
   // Group-limited routing (--moe-router-num-groups, --moe-router-group-topk; group topk 0: none).
   int64_t moe_router_num_groups = 0, moe_router_group_topk = 0;
+  // Load balancing (trainer/cpu/moe_balance.cpp): --moe-router-load-balancing-type seq_aux_loss's and
+  // global_aux_loss's coefficients (0: that type is off; moe_aux_loss_coeff is aux_loss's), and aux-loss-free
+  // routing (--moe-router-enable-expert-bias, sigmoid scores only): a per-layer expert bias added to the scores
+  // that choose the top k, moved by moe_router_bias_update_rate after each step (training settings, as the loss's).
+  double moe_seq_aux_loss_coeff = 0, moe_global_aux_loss_coeff = 0;
+  bool moe_router_enable_expert_bias = false;
+  double moe_router_bias_update_rate = 1e-3;
   // Megatron's shared experts (--moe-shared-expert-intermediate-size; 0: none): in each MoE layer a dense MLP of
   // this width (the experts' activation, no biases) on every token beside the routed experts, its output added to
   // theirs; with moe_shared_expert_gate (--moe-shared-expert-gate) scaled by sigmoid(x . gate_weight) per token.

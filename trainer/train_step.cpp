@@ -47,6 +47,7 @@ void LossScaler::Update(bool found_inf) {
 TrainStep::TrainStep(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
                      Communicator* comm, const LossScaleConfig& loss_scale)
     : model_(model), config_(config), scheduler_(schedule), scaler_(loss_scale), comm_(comm) {
+  model->SetMoeDataComm(comm);  // global_aux_loss's and the expert bias's counts: over the data (x context) group
   if (config.overlap_grad_reduce)
     buckets_ = MakeGradBuckets(
         model->layout(), config.ddp_bucket_size > 0 ? config.ddp_bucket_size : DefaultDdpBucketSize(comm->size()));
@@ -82,7 +83,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-backward", 1));
-  double local[4] = {0, 0, 0, 0};
+  double local[6] = {0, 0, 0, 0, 0, 0};
   const bool overlap = !buckets_.empty();
   PTK_ASSIGN_OR_RETURN(const std::vector<double> scale_of, LossScales(micro_batches));
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
@@ -101,11 +102,15 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   local[1] = losses.tokens;
   local[2] = losses.load_balancing_loss;
   local[3] = comm_->rank() == comm_->size() - 1 ? losses.z_loss : 0.0;  // the last data rank's (Megatron's)
+  const MoeBalanceLosses balance = model_->TakeMoeBalanceLosses();
+  local[4] = balance.seq;
+  local[5] = balance.global;
   PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
-  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 4));
+  PTK_RETURN_IF_ERROR(model_->FinishMoeStep());  // the expert bias's update (Megatron's finalize_model_grads)
+  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 6));
   // Pipeline parallelism: the last stage's loss to every stage (the others add zeros), and the stages'
   // load-balancing losses added up (Megatron's reduce_aux_losses_tracker_across_ranks: over the pipeline group).
-  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 4));
+  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 6));
   r.loss_sum = local[0];
   r.tokens = local[1];
   // Megatron's track_moe_metrics: each layer's sum over the micro-batches over their number,
@@ -114,6 +119,14 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     const int context = context_ ? context_->size() : 1;
     r.load_balancing_loss = local[2] / (static_cast<double>(micro_batches.size()) * (comm_->size() / context) *
                                         static_cast<double>(cf.moe_layers()));
+  }
+  // seq_load_balancing_loss as load_balancing_loss (summed over the context ranks, averaged over the data ranks);
+  // global_load_balancing_loss's group holds the data ranks: summed over them, not averaged.
+  if (const GPTConfig& cf = model_->config(); cf.moe()) {
+    const double per = static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers());
+    const int context = context_ ? context_->size() : 1;
+    if (cf.moe_seq_aux_loss_coeff > 0) r.seq_load_balancing_loss = local[4] / (per * (comm_->size() / context));
+    if (cf.moe_global_aux_loss_coeff > 0) r.global_load_balancing_loss = local[5] / per;
   }
   if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_z_loss_coeff > 0)
     r.z_loss = local[3] / (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers()));

@@ -87,6 +87,9 @@ struct StepResult {
   // over the micro-batches, summed over the stages and, as Megatron's tracker reduces it over no other group,
   // the last data rank's, which prints Megatron's log); 0 otherwise.
   double z_loss = 0;
+  // seq_aux_loss's and global_aux_loss's (Megatron's seq_load_balancing_loss, global_load_balancing_loss), as
+  // load_balancing_loss is; 0 without them.
+  double seq_load_balancing_loss = 0, global_load_balancing_loss = 0;
   // Multi-token prediction: Megatron's logged mtp_K loss per depth (each micro-batch's masked mean over the depth's
   // rolled tokens, averaged over the micro-batches and data ranks); empty without.
   std::vector<double> mtp_losses;

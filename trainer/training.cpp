@@ -197,6 +197,7 @@ absl::Status Trainer::Save(bool non_persistent) {
     state_.scheduler = step_state.schedule;
     if (step_state.loss_scale) state_.loss_scale = step_state.loss_scale;
     state_.settings = settings_;
+    state_.buffers = model_->ReadBuffers();  // the expert biases (every rank's alike: no pipeline stages with them)
     std::vector<CheckpointShard> shards;
     for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
     if (non_persistent) PTK_RETURN_IF_ERROR(CleanUpNonPersistent());

@@ -49,6 +49,9 @@ struct LogLineFields {
   double elapsed_ms = 0, learning_rate = 0, lm_loss = 0, loss_scale = 1.0;
   double load_balancing_loss = 0;  // mixture of experts: Megatron's entry after lm loss, shown when above 0
   double z_loss = 0;               // the router z-loss: Megatron's entry before load_balancing_loss, when above 0
+  // seq_aux_loss's and global_aux_loss's: Megatron's entries after load_balancing_loss (its tracker's order), when
+  // above 0
+  double seq_load_balancing_loss = 0, global_load_balancing_loss = 0;
   std::vector<double> mtp_losses;  // multi-token prediction: Megatron's "mtp_K loss" entries after the MoE ones
   int64_t skipped = 0, nan = 0;
   std::optional<double> tflops_per_gpu;  // --log-throughput

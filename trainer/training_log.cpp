@@ -298,6 +298,8 @@ void LogInterval::Add(const StepResult& r) {
   ++iters_;
   load_balancing_ += r.load_balancing_loss;  // Megatron's track_moe_metrics adds every iteration's, skipped or not
   z_loss_ += r.z_loss;
+  seq_load_balancing_ += r.seq_load_balancing_loss;
+  global_load_balancing_ += r.global_load_balancing_loss;
   if (mtp_.size() < r.mtp_losses.size()) mtp_.resize(r.mtp_losses.size(), 0.0);  // track_mtp_metrics: likewise
   for (size_t k = 0; k < r.mtp_losses.size(); ++k) mtp_[k] += r.mtp_losses[k];
   if (r.skipped) {
@@ -326,6 +328,8 @@ void LogInterval::Fill(const StepResult& r, double flops, int world, bool throug
   f->lm_loss = advanced_ > 0 ? loss_ / static_cast<double>(advanced_) : 0.0;
   f->load_balancing_loss = load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->z_loss = z_loss_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
+  f->seq_load_balancing_loss = seq_load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
+  f->global_load_balancing_loss = global_load_balancing_ / static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->mtp_losses = mtp_;
   for (double& v : f->mtp_losses) v /= static_cast<double>(std::max<int64_t>(advanced_, 1));
   f->skipped = skipped_;
@@ -339,6 +343,7 @@ void LogInterval::Logged(int64_t iteration, Clock::time_point now) {
   if (Resets(iteration)) {
     iters_ = advanced_ = skipped_ = nan_ = 0;
     loss_ = paused_seconds_ = load_balancing_ = z_loss_ = 0;
+    seq_load_balancing_ = global_load_balancing_ = 0;
     mtp_.assign(mtp_.size(), 0.0);
     start_ = now;
   }
@@ -390,6 +395,10 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   // Megatron's tracker order: the router saves its z-loss before its load-balancing loss.
   if (f.z_loss > 0.0) s += fmt::format(" z_loss: {:.6E} |", f.z_loss);
   if (f.load_balancing_loss > 0.0) s += fmt::format(" load_balancing_loss: {:.6E} |", f.load_balancing_loss);
+  if (f.seq_load_balancing_loss > 0.0)
+    s += fmt::format(" seq_load_balancing_loss: {:.6E} |", f.seq_load_balancing_loss);
+  if (f.global_load_balancing_loss > 0.0)
+    s += fmt::format(" global_load_balancing_loss: {:.6E} |", f.global_load_balancing_loss);
   for (size_t k = 0; k < f.mtp_losses.size(); ++k)  // MTPLossLoggingHelper's entries, after the MoE ones
     if (f.mtp_losses[k] > 0.0) s += fmt::format(" mtp_{} loss: {:.6E} |", k + 1, f.mtp_losses[k]);
   s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);

@@ -160,6 +160,8 @@ class LogInterval {
   // Mixture of experts: the iterations' load_balancing_loss, each added (as Megatron's total_loss_dict), the
   // sum shown over the iterations that advanced.
   double load_balancing_ = 0, z_loss_ = 0;  // z_loss likewise
+  // And seq_ and global_load_balancing_loss.
+  double seq_load_balancing_ = 0, global_load_balancing_ = 0;
   std::vector<double> mtp_;                 // multi-token prediction's mtp_K loss likewise
 };
 

@@ -90,6 +90,10 @@ absl::Status Trainer::Log(const StepResult& r) {
   if (outputs_.tb && o_.model.moe() && o_.model.moe_z_loss_coeff > 0) TensorBoardScalar("z_loss", r.z_loss);
   if (outputs_.tb && o_.model.moe() && o_.model.moe_aux_loss_coeff > 0)
     TensorBoardScalar("load_balancing_loss", r.load_balancing_loss);
+  if (outputs_.tb && o_.model.moe() && o_.model.moe_seq_aux_loss_coeff > 0)
+    TensorBoardScalar("seq_load_balancing_loss", r.seq_load_balancing_loss);
+  if (outputs_.tb && o_.model.moe() && o_.model.moe_global_aux_loss_coeff > 0)
+    TensorBoardScalar("global_load_balancing_loss", r.global_load_balancing_loss);
   for (size_t k = 0; outputs_.tb && k < r.mtp_losses.size(); ++k)  // track_mtp_metrics: every iteration too
     TensorBoardScalar(fmt::format("mtp_{} loss", k + 1), r.mtp_losses[k]);
   if (!interval_.Due(state_.iteration)) return absl::OkStatus();

@@ -139,6 +139,7 @@ absl::Status Trainer::Resume() {
             "this run has {}: the phases are counted in global batches, give the checkpoint's",
             *latest, value, plan_.global_batch_size));
   PTK_RETURN_IF_ERROR(model_->WriteParams(params));
+  PTK_RETURN_IF_ERROR(model_->WriteBuffers(loaded.buffers));  // a router's expert_bias, as Megatron's state dict
   if (finetune) {
     log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
               *latest);

@@ -17,6 +17,13 @@ the MoE layers).
 The router's options: the z-loss (z_loss, logged as the load-balancing loss is), the top-k scaling factor and
 group-limited routing.
 
+Load balancing (moe_expert_bias, moe_seq_aux, moe_global_aux): aux-loss-free routing's expert bias, whose
+update after each step is megatron-core's own (finalize_model_grads calls _update_router_expert_bias, i.e.
+get_updated_expert_bias on the router's local_tokens_per_expert, then zeroes them; written per step as
+expert_bias:L, the buffer after the update), and the seq_aux_loss and global_aux_loss types (logged as
+seq_load_balancing_loss and global_load_balancing_loss; global_aux_loss's token counts reset by the same
+finalize_model_grads).
+
 moe_gelu, moe_swiglu, moe_sigmoid and moe_per_token were written before the router's options and are kept
 as they were (rewritten, their fp32 gradients differ in the last bits, up to 7e-3 relative in the smallest
 ones); their files lack the options' keys, which the test reads as Megatron's defaults.
@@ -76,10 +83,26 @@ GOLDENS = {
                                swiglu=True, moe_router_pre_softmax=False, moe_layer_freq=[0, 1, 1],
                                moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
                                moe_router_topk_scaling_factor=1.5),
+    # Aux-loss-free load balancing: sigmoid scores plus the expert bias choose the top-2 of 4 (the bias, updated
+    # by 0.01 x sign(mean load - load) after each step, large enough to change the routing), with the aux loss.
+    "moe_expert_bias": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                            moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1], moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01),
+    # The sequence-level load-balancing loss (each sequence's switch loss, their mean), softmax after top-k.
+    "moe_seq_aux": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                        moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1],
+                        moe_router_load_balancing_type="seq_aux_loss"),
+    # The global-batch load-balancing loss (the counts summed over the step's micro-batches so far, averaged).
+    "moe_global_aux": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                           moe_router_pre_softmax=False, moe_layer_freq=[1, 1, 0],
+                           moe_router_load_balancing_type="global_aux_loss"),
 }
 # Megatron's defaults of the router's options the goldens above leave out.
 ROUTER_DEFAULTS = dict(moe_z_loss_coeff=None, moe_router_topk_scaling_factor=None, moe_router_num_groups=None,
                        moe_router_group_topk=None)
+# The load-balancing options' defaults (Megatron's), which the goldens above leave out.
+BALANCE_DEFAULTS = dict(moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
+                        moe_router_load_balancing_type="aux_loss")
 
 
 def build(torch, g):
@@ -90,7 +113,7 @@ def build(torch, g):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
-    c = dict(COMMON, **ROUTER_DEFAULTS)
+    c = dict(COMMON, **ROUTER_DEFAULTS, **BALANCE_DEFAULTS)
     c.update(g)
     cfg = TransformerConfig(
         num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
@@ -99,13 +122,15 @@ def build(torch, g):
         activation_func=F.silu if c["swiglu"] else F.gelu, bias_activation_fusion=False,
         num_moe_experts=c["num_experts"], moe_router_topk=c["moe_router_topk"],
         moe_ffn_hidden_size=c["moe_ffn_hidden_size"] or c["ffn_hidden_size"],
-        moe_aux_loss_coeff=c["moe_aux_loss_coeff"], moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=c["moe_aux_loss_coeff"], moe_router_load_balancing_type=c["moe_router_load_balancing_type"],
         moe_router_pre_softmax=c["moe_router_pre_softmax"], moe_token_dispatcher_type="allgather",
         moe_router_score_function=c["moe_router_score_function"],
         calculate_per_token_loss=c["calculate_per_token_loss"],
         moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32",
         moe_z_loss_coeff=c["moe_z_loss_coeff"], moe_router_topk_scaling_factor=c["moe_router_topk_scaling_factor"],
-        moe_router_num_groups=c["moe_router_num_groups"], moe_router_group_topk=c["moe_router_group_topk"])
+        moe_router_num_groups=c["moe_router_num_groups"], moe_router_group_topk=c["moe_router_group_topk"],
+        moe_router_enable_expert_bias=c["moe_router_enable_expert_bias"],
+        moe_router_bias_update_rate=c["moe_router_bias_update_rate"])
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
                    max_sequence_length=c["max_position_embeddings"], position_embedding_type="learned_absolute",
@@ -178,8 +203,15 @@ def run(torch, name, g, out_dir):
         tracker = get_moe_layer_wise_logging_tracker()
         logged = {k: float((tracker[k]["values"] * (1.0 / m)).sum() / moe_layers) for k in tracker}
         steps.append({"lm_loss": lm, "grad_norm": float(grad_norm),
-                      "load_balancing_loss": logged["load_balancing_loss"], "z_loss": logged.get("z_loss", 0.0),
+                      "load_balancing_loss": logged.get("load_balancing_loss", 0.0), "z_loss": logged.get("z_loss", 0.0),
                       "tracker_order": list(tracker)})
+        for k in ("seq_load_balancing_loss", "global_load_balancing_loss"):
+            if k in logged:
+                steps[-1][k] = logged[k]
+        if c["moe_router_enable_expert_bias"]:
+            for n, buf in gpt.named_buffers():
+                if n.endswith("router.expert_bias"):
+                    put(f"expert_bias:{step}:{n}", buf.float())
     for n, p in gpt.named_parameters():
         put("final:" + n, p.float())
     from megatron.core import package_info
@@ -187,6 +219,8 @@ def run(torch, name, g, out_dir):
     config["moe_ffn_hidden_size"] = c["moe_ffn_hidden_size"] or 0
     for k in ROUTER_DEFAULTS:  # None: 0
         config[k] = c[k] or 0
+    if c["moe_router_enable_expert_bias"]:
+        config["state_dict_keys"] = [k for k in gpt.state_dict() if "router" in k]
     config["moe_layer_pattern"] = (c["moe_layer_freq"] if isinstance(c["moe_layer_freq"], list)
                                    else [1 if i % c["moe_layer_freq"] == 0 else 0 for i in range(c["num_layers"])])
     meta = {"generator": "tests/support/gen_moe_golden.py", "megatron_core": package_info.__version__,

@@ -6,7 +6,8 @@
 // quarter of the tokens masked, all with the load-balancing loss; the router's options: the z-loss (per
 // micro-batch and per token), group-limited routing (8 experts in 4 groups, softmax before and after the top
 // k, sigmoid) and the top-k scaling factor; shared experts (tests/support/gen_moe_shared_golden.py: GELU ones on
-// MoE, dense, MoE layers, gated SwiGLU ones on every layer). The layout (Megatron's names,
+// MoE, dense, MoE layers, gated SwiGLU ones on every layer); load balancing: the expert bias (its updates bit for
+// bit), seq_aux_loss and global_aux_loss. The layout (Megatron's names,
 // shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
 // within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
@@ -60,6 +61,14 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     // Shared experts (gen_moe_shared_golden.py's goldens; the others lack the keys: none).
     c.moe_shared_expert_intermediate_size = static_cast<int64_t>(Config("moe_shared_expert_intermediate_size"));
     c.moe_shared_expert_gate = Config("moe_shared_expert_gate") != 0;
+    // Load balancing (the goldens written before it lack the keys: aux_loss, no expert bias).
+    std::string_view type;
+    if (g_.meta["config"]["moe_router_load_balancing_type"].get(type)) type = "aux_loss";
+    if (type == "seq_aux_loss") std::swap(c.moe_seq_aux_loss_coeff, c.moe_aux_loss_coeff);
+    if (type == "global_aux_loss") std::swap(c.moe_global_aux_loss_coeff, c.moe_aux_loss_coeff);
+    bool bias = false;
+    c.moe_router_enable_expert_bias = !g_.meta["config"]["moe_router_enable_expert_bias"].get(bias) && bias;
+    if (c.moe_router_enable_expert_bias) c.moe_router_bias_update_rate = Config("moe_router_bias_update_rate");
     config_ = c;
   }
   std::unique_ptr<CpuGPTModel> MakeModel() {
@@ -123,6 +132,8 @@ TEST_P(MoeGolden, TheFirstStepsGradientsMatchMegatron) {
   EXPECT_LE(std::abs(r->grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
   EXPECT_LE(std::abs(r->load_balancing_loss - Want(0, "load_balancing_loss")), 1e-6);
   EXPECT_LE(std::abs(r->z_loss - Want(0, "z_loss")), 1e-6 * std::max(1.0, Want(0, "z_loss")));
+  EXPECT_LE(std::abs(r->seq_load_balancing_loss - Want(0, "seq_load_balancing_loss")), 1e-6);
+  EXPECT_LE(std::abs(r->global_load_balancing_loss - Want(0, "global_load_balancing_loss")), 1e-6);
   double worst = 0;
   for (const ParamInfo& p : model->params_info()) {
     const double e = RelError(model->grads() + p.offset, g_.Tensor<float>("grad:" + p.name));
@@ -161,7 +172,7 @@ TEST_P(MoeGolden, TheRoutersGradientHoldsTheZLoss) {
 // comparison above sees it.
 TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
   GPTConfig no_aux = config_;
-  no_aux.moe_aux_loss_coeff = 0;
+  no_aux.moe_aux_loss_coeff = no_aux.moe_seq_aux_loss_coeff = no_aux.moe_global_aux_loss_coeff = 0;
   config_ = no_aux;
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
@@ -187,10 +198,38 @@ TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
     EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
     EXPECT_LE(std::abs(r->load_balancing_loss - Want(s, "load_balancing_loss")), 1e-5) << "step " << s;
     EXPECT_LE(std::abs(r->z_loss - Want(s, "z_loss")), 1e-5 * std::max(1.0, Want(s, "z_loss"))) << "step " << s;
+    // seq_aux_loss's and global_aux_loss's logged values (0 where the golden has none), and the expert biases
+    // after the step's update: bit for bit (each a sum of +-rate in fp32, as Megatron's).
+    EXPECT_LE(std::abs(r->seq_load_balancing_loss - Want(s, "seq_load_balancing_loss")), 1e-5) << "step " << s;
+    EXPECT_LE(std::abs(r->global_load_balancing_loss - Want(s, "global_load_balancing_loss")), 1e-5) << "step " << s;
+    for (const auto& [name, bias] : model->ReadBuffers())
+      EXPECT_EQ(bias, g_.Tensor<float>(fmt::format("expert_bias:{}:{}", s, name))) << name << " step " << s;
   }
   for (const ParamInfo& p : model->params_info())
     EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4)
         << p.name;  // as the Llama golden: Adam's first steps amplify
+}
+
+// The expert biases are Megatron's state-dict buffers (decoder.layers.L.mlp.router.expert_bias, one per MoE layer;
+// local_tokens_per_expert is not persistent), and without them the routing, so the weights, differ from
+// Megatron's after three steps.
+TEST_P(MoeGolden, TheExpertBiasIsMegatronsBufferAndChangesTheRouting) {
+  if (!config_.moe_router_enable_expert_bias) GTEST_SKIP() << "no expert bias in " << GetParam();
+  std::vector<std::string> want, mine;
+  for (auto k : g_.meta["config"]["state_dict_keys"].get_array())
+    if (std::string name(k.get_string().value()); name.ends_with("expert_bias")) want.push_back(name);
+  for (const auto& [name, bias] : MakeModel()->ReadBuffers()) mine.push_back(name);
+  EXPECT_EQ(mine, want);
+  config_.moe_router_enable_expert_bias = false;
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  for (int64_t s = 0; s < 3; ++s) ASSERT_TRUE(step.Step(batches_.Step(s), GlobalBatch(), 0).ok());
+  EXPECT_TRUE(model->ReadBuffers().empty());
+  double worst = 0;
+  for (const ParamInfo& p : model->params_info())
+    worst = std::max(worst, RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)));
+  EXPECT_GT(worst, 1e-3);
 }
 
 // What the MoE layers do not run with is refused by the library too, not only by ptk-train's flags.
@@ -281,7 +320,8 @@ TEST(MoeModel, SharedExpertsAreOnEachStageAndEveryExpertRank) {
 INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
                          ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token", "moe_zloss",
                                            "moe_zloss_per_token", "moe_groups", "moe_groups_softmax",
-                                           "moe_groups_sigmoid", "moe_shared", "moe_shared_gate"));
+                                           "moe_groups_sigmoid", "moe_shared", "moe_shared_gate", "moe_expert_bias",
+                                           "moe_seq_aux", "moe_global_aux"));
 
 }  // namespace
 }  // namespace ptk

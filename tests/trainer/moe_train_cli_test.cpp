@@ -299,6 +299,85 @@ TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) 
   }
 }
 
+// The expert bias (sigmoid scores) and all three load-balancing types: the log line's entries in Megatron's
+// tracker order with plausible values, the biases in the checkpoint under Megatron's names, moved by multiples of the
+// rate, a stopped run resumed bit for bit (the bias included), a --load without the flag refused, and two data
+// ranks, and two expert ranks, training as one rank does with the bias and seq_aux_loss (global_aux_loss's
+// running counts over the micro-batches differ with the ranks' share of them, as Megatron's).
+TEST_F(MoeTrainCli, TheExpertBiasAndTheBalancingTypesTrainLogAndResume) {
+  const std::string bias =
+      " --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+      "--moe-router-bias-update-rate 0.01";
+  const std::string all = bias +
+                          " --moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss"
+                          " --moe-aux-loss-coeff 0.01 0.01 0.01";
+  auto whole = RunCmd(Train(all + " --save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  const std::regex line(R"(\| lm loss: \S+ \| load_balancing_loss: (\S+) \| seq_load_balancing_loss: (\S+) \| )"
+                        R"(global_load_balancing_loss: (\S+) \|)");
+  for (const std::string& l : a) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(l, m, line)) << l;
+    for (int i = 1; i <= 3; ++i) {
+      const double v = std::strtod(m[i].str().c_str(), nullptr);
+      EXPECT_TRUE(v >= 1.0 && v < 4.0) << l;  // 1 for an even split, up to E for one expert
+    }
+  }
+  auto header = [](const std::string& dir) {
+    auto text = ReadCheckpointHeaderText(CheckpointFile(dir, 6));
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? *text : std::string();
+  };
+  const std::string saved = header(dir_ / "full");
+  simdjson::dom::parser parser;
+  simdjson::dom::element h;
+  ASSERT_FALSE(parser.parse(saved).get(h));
+  std::vector<std::string> names;
+  double moved = 0;
+  for (auto b : h["buffers"].get_array()) {
+    names.emplace_back(b["name"].get_string().value());
+    for (auto v : b["values"].get_array()) {
+      const double x = v.get_double().value();
+      EXPECT_NEAR(x / 0.01, std::round(x / 0.01), 1e-4) << x;
+      moved = std::max(moved, std::abs(x));
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"decoder.layers.0.mlp.router.expert_bias",
+                                             "decoder.layers.1.mlp.router.expert_bias"}));
+  EXPECT_GT(moved, 0.0);
+  auto first = RunCmd(Train(all + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train(all + " --load " + ShellQuote(dir_ / "ck") + " --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  simdjson::dom::parser parser2;
+  simdjson::dom::element h2;
+  ASSERT_FALSE(parser2.parse(header(dir_ / "ck")).get(h2));
+  EXPECT_EQ(simdjson::minify(h2["buffers"]), simdjson::minify(h["buffers"]));
+  auto without = RunCmd(Train(" --moe-router-score-function sigmoid --load " + ShellQuote(dir_ / "ck")));
+  EXPECT_NE(without.exit_code, 0) << without.output;
+  EXPECT_NE(without.output.find("decoder.layers.0.mlp.router.expert_bias"), std::string::npos) << without.output;
+  // ptk-convert carries no expert biases: refused saying so, nothing written.
+  const std::string mg = dir_ / "export-megatron";
+  auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver megatron --load-dir " +
+                  ShellQuote(dir_ / "full") + " --save-dir " + ShellQuote(mg));
+  EXPECT_NE(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("ptk-convert carries no expert biases yet"), std::string::npos) << e.output;
+  EXPECT_FALSE(std::filesystem::exists(mg));
+  // Data and expert ranks: the token counts summed over the data group, the biases and losses one rank's.
+  const std::string seq = bias + " --moe-router-load-balancing-type seq_aux_loss";
+  auto one = RunCmd(Train(seq));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_NE(one.output.find(" seq_load_balancing_loss: "), std::string::npos) << one.output;
+  const auto ref = testing::LossesOf(one.output);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(seq), ref, 6, 1e-5, "2 data ranks", &out));
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(2, Train(seq + " --expert-model-parallel-size 2"), ref, 6, 1e-5, "2 expert ranks", &out));
+}
+
 TEST_F(MoeTrainCli, DataParallelRanksTrainAsOneRankDoes) {
   auto one = RunCmd(Train(""));
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -437,9 +516,26 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --num-experts 4", "usage error: --num-experts without --disable-bias-linear"},
       {moe + " --moe-router-score-function tanh", "usage error: --moe-router-score-function tanh: softmax or sigmoid"},
-      {moe + " --moe-router-load-balancing-type seq_aux_loss",
-       "usage error: --moe-router-load-balancing-type "
-       "seq_aux_loss: not implemented"},
+      {moe + " --moe-router-enable-expert-bias",
+       "usage error: --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"},
+      {moe + " --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01",
+       "usage error: --moe-router-load-balancing-type / --moe-aux-loss-coeff: 2 types need as many coefficients"},
+      {moe + " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 0.02",
+       "usage error: --moe-router-load-balancing-type / --moe-aux-loss-coeff: 2 coefficients for one type"},
+      {moe + " --moe-router-load-balancing-type aux_loss aux_loss --moe-aux-loss-coeff 0.1 0.1",
+       "usage error: --moe-router-load-balancing-type: aux_loss given twice"},
+      {moe + " --moe-router-bias-update-rate -1", "--moe-router-bias-update-rate"},
+      {moe + " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
+             "--pipeline-model-parallel-size 3",
+       "usage error: --moe-router-load-balancing-type seq_aux_loss with --pipeline-model-parallel-size 3: ptk has not"},
+      {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --dry-run "
+             "--context-parallel-size 2",
+       "usage error: --moe-router-enable-expert-bias with --context-parallel-size 2: Megatron sums"},
+      {moe + " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
+             "--context-parallel-size 2",
+       "usage error: --moe-router-load-balancing-type global_aux_loss with --context-parallel-size 2"},
+      {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
+       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
       {moe + " --moe-expert-capacity-factor 1.0",
        "usage error: --moe-expert-capacity-factor 1.0: this "
@@ -450,7 +546,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-shared-expert-intermediate-size 0", "--moe-shared-expert-intermediate-size"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --device cuda",
        "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
-      {moe + " --moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: this mixture-of-experts"},
       {moe + " --moe-router-group-topk 2",
        "usage error: --moe-router-group-topk 2 needs --moe-router-num-groups (as Megatron's TransformerConfig)"},
       {moe + " --moe-router-num-groups 3 --moe-router-group-topk 1",

@@ -9,6 +9,11 @@
 #include "trainer/gpt_model.h"
 
 namespace ptk {
+namespace cpu {  // trainer/cpu/moe_cpu.h
+struct MoeSettings;
+template <typename T>
+struct MoeActivations;
+}  // namespace cpu
 
 class CpuGPTModel final : public GPTModel {
  public:
@@ -64,6 +69,10 @@ class CpuGPTModel final : public GPTModel {
   absl::Status WriteMoments(std::span<const float> exp_avg, std::span<const float> exp_avg_sq) override;
 
   absl::Status ZeroGrads() override;
+  MoeBalanceLosses TakeMoeBalanceLosses() override;  // moe_balance.cpp
+  absl::Status FinishMoeStep() override;
+  ModelBuffers ReadBuffers() const override;
+  absl::Status WriteBuffers(const ModelBuffers& in) override;
   absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
                                           uint64_t seed) override;
   absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) override;
@@ -143,6 +152,22 @@ class CpuGPTModel final : public GPTModel {
   absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train);
   absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;
+  // Load balancing beyond aux_loss (moe_balance.cpp): per layer the expert bias and the tokens its experts got
+  // since the last update (aux-loss-free routing), global_aux_loss's counts summed over the step's micro-batches
+  // and their number; the step's seq_ and global_load_balancing_loss sums (TakeMoeBalanceLosses).
+  struct MoeBalanceState {
+    std::vector<float> expert_bias;
+    std::vector<double> tokens, global_counts;
+    double global_steps = 0;
+  };
+  std::vector<MoeBalanceState> balance_;
+  MoeBalanceLosses balance_sums_;
+  MoeBalanceState& BalanceOf(int64_t l);
+  // A training pass's MoE layer l after its router (m routed): the counts kept, the seq_ and global_aux_loss's
+  // values added and their gradients (without the step's scale) put in m->balance_grad.
+  absl::Status MoeBalanceForward(int64_t l, cpu::MoeActivations<float>* m, const cpu::MoeSettings& s);
+  // Megatron's names of the expert biases, by layer (empty where a layer has none).
+  std::string ExpertBiasName(int64_t l) const;
   // A multi-latent attention layer's projections (cpu_mla_layer.cpp): act_->qkv[l] (the core attention's
   // per-head query, key and value) from act_->ln1[l]; backward from act_->dqkv, ln1's output gradient
   // assigned to act_->dln. PrepareMla makes the rotary tables of the batch's length.

@@ -34,10 +34,12 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
 absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const cpu::MoeSettings s = MoeSettingsOf(cf);
+  cpu::MoeSettings s = MoeSettingsOf(cf);
+  if (cf.moe_router_enable_expert_bias) s.expert_bias = BalanceOf(l).expert_bias.data();
   cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
   const float* P = params_.data();
   cpu::MoeRouterForward(&m, a.ln2[l].data(), P + lp.router_w, n, cf.hidden_size, s);
+  if (train) PTK_RETURN_IF_ERROR(MoeBalanceForward(l, &m, s));  // moe_balance.cpp
   if (expert_comm_ != nullptr) {  // expert parallelism: this rank's experts on the expert group's tokens
     if (a.moe_ep.size() < a.moe.size()) a.moe_ep.resize(a.moe.size());
     PTK_RETURN_IF_ERROR(cpu::ExpertParallelForward(a.tmp.data(), &m, &a.moe_ep[static_cast<size_t>(l)], a.ln2[l].data(),
@@ -77,6 +79,7 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, bool 
   // multiplied by the micro-batch's tokens); context ranks are refused with it (moe_flags.cpp).
   const double z_grad = train ? cf.moe_z_loss_coeff * moe_aux_loss_scale_ : 0.0;
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  for (double& g : m.balance_grad) g *= moe_aux_loss_scale_;  // seq_ and global_aux_loss's (MoeBalanceForward)
   if (lp.shared_fc1 >= 0)  // shared experts: replicated on the expert ranks, each on its own tokens
     cpu::SharedExpertBackward(
         a.dln.data(), G + lp.shared_fc1, G + lp.shared_fc2, cpu_model_detail::At(G, lp.shared_gate), a.dtmp.data(),

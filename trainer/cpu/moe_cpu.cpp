@@ -115,7 +115,13 @@ void RouteSigmoid(MoeActivations<T>* a, int64_t i, const MoeSettings& s) {
   T all = 0;
   for (int64_t e = 0; e < E; ++e) all += g[e] = T{1} / (T{1} + std::exp(-z[e]));
   for (int64_t e = 0; e < E; ++e) sc[e] = g[e] / (all + T(1e-20));
-  Choose(chosen, g, s);
+  if (s.expert_bias != nullptr) {  // the top k of the biased scores, their unbiased gates the probabilities
+    std::vector<T> biased(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) biased[e] = g[e] + static_cast<T>(s.expert_bias[e]);
+    Choose(chosen, biased.data(), s);
+  } else {
+    Choose(chosen, g, s);
+  }
   T top = 0;
   for (int64_t k = 0; k < K; ++k) top += p[k] = g[chosen[k]];
   if (K > 1)
@@ -140,11 +146,13 @@ void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T
     for (int64_t k = 0; k < K; ++k) top += g[chosen[k]], dot += p[k] * dp[k];
     for (int64_t k = 0; k < K; ++k) ds[chosen[k]] = (dp[k] - dot) / (top + T(1e-20));
   }
-  if (aux_unit != 0) {
+  if (aux_unit != 0 || !a.balance_grad.empty()) {
     T all = 0, dot = 0;
+    std::vector<T> d(static_cast<size_t>(E));  // the normalised scores' gradient
+    for (int64_t e = 0; e < E; ++e) d[e] = static_cast<T>(aux_unit * a.AuxCount(e) + a.BalanceGrad(i, e, E));
     for (int64_t e = 0; e < E; ++e) all += g[e];
-    for (int64_t e = 0; e < E; ++e) dot += sc[e] * static_cast<T>(aux_unit * a.AuxCount(e));
-    for (int64_t e = 0; e < E; ++e) ds[e] += (static_cast<T>(aux_unit * a.AuxCount(e)) - dot) / (all + T(1e-20));
+    for (int64_t e = 0; e < E; ++e) dot += sc[e] * d[e];
+    for (int64_t e = 0; e < E; ++e) ds[e] += (d[e] - dot) / (all + T(1e-20));
   }
   for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
 }
@@ -157,6 +165,7 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
   PTK_CHECK(E >= 1 && K >= 1 && K <= E);
   a->n = n;
   a->group_count.clear();
+  a->balance_grad.clear();
   a->logits.resize(static_cast<size_t>(n * E));
   a->scores.resize(static_cast<size_t>(n * E));
   a->prob.resize(static_cast<size_t>(n * K));
@@ -185,7 +194,7 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
   }
   if (s.scaling != 0)
     for (T& p : a->prob) p *= static_cast<T>(s.scaling);
-  if (s.group_topk > 0) {  // the load-balancing loss's counts: each token's plain top-k of its scores
+  if (s.group_topk > 0 || s.expert_bias != nullptr) {  // the load-balancing loss's counts: each plain top-k
     a->group_count.assign(static_cast<size_t>(E), 0.0);
     a->group_n = static_cast<double>(n);
     std::vector<int32_t> top(static_cast<size_t>(K));
@@ -295,8 +304,8 @@ void RouterBackward(MoeActivations<T>* a, const MoeSettings& s, double aux_grad,
       SoftmaxBackwardAdd(top.data(), prob, dp, K);  // top starts at zero
       for (int64_t k = 0; k < K; ++k) dz[chosen[k]] += top[k];
     }
-    if (aux_grad == 0) continue;
-    for (int64_t e = 0; e < E; ++e) d[e] = static_cast<T>(aux_unit * a->AuxCount(e));
+    if (aux_grad == 0 && a->balance_grad.empty()) continue;
+    for (int64_t e = 0; e < E; ++e) d[e] = static_cast<T>(aux_unit * a->AuxCount(e) + a->BalanceGrad(i, e, E));
     SoftmaxBackwardAdd(dz, sc, d.data(), E);
   }
 }

@@ -32,6 +32,9 @@ struct MoeSettings {
   // experts chosen among the group_topk groups of the largest sums of their topk / group_topk largest
   // scores. The load-balancing loss still counts each token's plain top-k (compute_routing_scores_for_aux_loss).
   int64_t groups = 0, group_topk = 0;
+  // Aux-loss-free routing (sigmoid only): the experts' bias (E floats) added to the scores that choose the top k,
+  // not to the probabilities; the load-balancing losses then count each token's plain top-k. Null: none.
+  const float* expert_bias = nullptr;
   MlpActivation activation = MlpActivation::kGelu;
   int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
   // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
@@ -64,6 +67,14 @@ struct MoeActivations {
                                : group_count[static_cast<std::size_t>(e)];
   }
   double AuxTokens() const { return group_count.empty() ? static_cast<double>(n) : group_n; }
+  // The seq_aux_loss's and global_aux_loss's gradient (trainer/cpu/moe_balance.cpp): d(objective) / d(scores[i,
+  // e]) beyond aux_loss's, one row of E per group of balance_tokens consecutive tokens (a sequence's, or all n).
+  // Empty: none.
+  std::vector<double> balance_grad;
+  int64_t balance_tokens = 0;
+  double BalanceGrad(int64_t i, int64_t e, int64_t E) const {
+    return balance_grad.empty() ? 0.0 : balance_grad[static_cast<std::size_t>(i / balance_tokens * E + e)];
+  }
 };
 
 // The router and the dispatch: `a` sized and filled from x (n, c) and the router's weight (E, c).

@@ -1,0 +1,180 @@
+// The CPU model's load balancing beyond the switch loss (megatron-core 0.16.1's TopKRouter): aux-loss-free
+// routing's expert bias (the tokens each expert got, summed over the data group after the step, move it by
+// rate x sign(mean - load): get_updated_expert_bias), and the seq_aux_loss and global_aux_loss types
+// (switch_load_balancing_loss_func on each sequence's counts, or on the step's data group counts so far).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/moe_cpu.h"
+
+namespace ptk {
+namespace {
+
+// Each token's plain top-k of its scores (compute_routing_scores_for_aux_loss's routing map) counted per group
+// of `per` consecutive tokens: (n / per, E), and the scores' sums per group and expert alike.
+void GroupCounts(const cpu::MoeActivations<float>& m, int64_t E, int64_t K, int64_t per, std::vector<double>* counts,
+                 std::vector<double>* sums) {
+  const int64_t groups = m.n / per;
+  counts->assign(static_cast<size_t>(groups * E), 0.0);
+  sums->assign(static_cast<size_t>(groups * E), 0.0);
+  std::vector<int32_t> all(static_cast<size_t>(E));
+  std::vector<float> col(static_cast<size_t>(groups * E), 0.0f);  // fp32 sums, as probs.sum(dim=0)
+  for (int64_t i = 0; i < m.n; ++i) {
+    const float* v = m.scores.data() + i * E;
+    std::iota(all.begin(), all.end(), 0);
+    std::partial_sort(all.begin(), all.begin() + K, all.end(),
+                      [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+    const int64_t g = i / per;
+    for (int64_t k = 0; k < K; ++k) (*counts)[static_cast<size_t>(g * E + all[k])] += 1;
+    for (int64_t e = 0; e < E; ++e) col[static_cast<size_t>(g * E + e)] += v[e];
+  }
+  std::copy(col.begin(), col.end(), sums->begin());
+}
+
+}  // namespace
+
+CpuGPTModel::MoeBalanceState& CpuGPTModel::BalanceOf(int64_t l) {
+  const GPTConfig& cf = config();
+  if (balance_.size() < static_cast<size_t>(cf.num_layers)) balance_.resize(static_cast<size_t>(cf.num_layers));
+  MoeBalanceState& st = balance_[static_cast<size_t>(l)];
+  if (cf.moe_router_enable_expert_bias && st.expert_bias.empty()) {
+    st.expert_bias.assign(static_cast<size_t>(cf.num_experts), 0.0f);
+    st.tokens.assign(static_cast<size_t>(cf.num_experts), 0.0);
+  }
+  return st;
+}
+
+std::string CpuGPTModel::ExpertBiasName(int64_t l) const {
+  if (!config().moe_router_enable_expert_bias || l >= static_cast<int64_t>(layout_.layers.size())) return "";
+  const int64_t at = layout_.layers[static_cast<size_t>(l)].router_w;
+  if (at < 0) return "";
+  for (const ParamInfo& p : layout_.infos)
+    if (p.offset == at) {
+      const std::string weight = "router.weight";
+      if (p.name.size() < weight.size()) return "";
+      return p.name.substr(0, p.name.size() - std::string("weight").size()) + "expert_bias";
+    }
+  return "";
+}
+
+absl::Status CpuGPTModel::MoeBalanceForward(int64_t l, cpu::MoeActivations<float>* m, const cpu::MoeSettings& s) {
+  const GPTConfig& cf = config();
+  MoeBalanceState& st = BalanceOf(l);
+  const int64_t E = s.experts, K = s.topk, n = m->n;
+  if (cf.moe_router_enable_expert_bias)  // the dispatch's counts (the biased routing map)
+    for (int64_t e = 0; e < E; ++e)
+      st.tokens[static_cast<size_t>(e)] += static_cast<double>(m->begin[e + 1] - m->begin[e]);
+  const bool seq = cf.moe_seq_aux_loss_coeff > 0, global = cf.moe_global_aux_loss_coeff > 0;
+  if (!seq && !global) return absl::OkStatus();
+  const int64_t S = seq ? act_->t : n, B = n / S;  // the groups the gradient rows cover: sequences, or all tokens
+  m->balance_tokens = S;
+  m->balance_grad.assign(static_cast<size_t>(B * E), 0.0);
+  std::vector<double> counts, sums;
+  if (seq) {  // each sequence's switch loss with its own counts, their mean over the micro-batch's sequences
+    GroupCounts(*m, E, K, S, &counts, &sums);
+    const double unit = static_cast<double>(E) / (static_cast<double>(K) * S * S * B);
+    double loss = 0;
+    for (size_t j = 0; j < counts.size(); ++j) {
+      loss += sums[j] * counts[j];
+      m->balance_grad[j] += cf.moe_seq_aux_loss_coeff * unit * counts[j];
+    }
+    balance_sums_.seq += loss * unit;
+  }
+  if (global) {  // the data group's counts of the step's micro-batches so far, averaged
+    GroupCounts(*m, E, K, n, &counts, &sums);
+    const int G = moe_data_comm_ != nullptr ? moe_data_comm_->size() : 1;
+    if (G > 1) PTK_RETURN_IF_ERROR(moe_data_comm_->AllReduceSum(counts.data(), E));
+    if (st.global_counts.empty()) st.global_counts.assign(static_cast<size_t>(E), 0.0);
+    st.global_steps += 1;
+    const double T = static_cast<double>(n) * G, unit = static_cast<double>(E) / (static_cast<double>(K) * T * T);
+    double loss = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      st.global_counts[static_cast<size_t>(e)] += counts[static_cast<size_t>(e)];
+      // fp32 as Megatron's buffers: global_tokens_per_expert / ga_steps
+      const double avg = static_cast<float>(static_cast<float>(st.global_counts[static_cast<size_t>(e)]) /
+                                            static_cast<float>(st.global_steps));
+      loss += sums[static_cast<size_t>(e)] * avg;
+      for (int64_t b = 0; b < B; ++b)
+        m->balance_grad[static_cast<size_t>(b * E + e)] += cf.moe_global_aux_loss_coeff * unit * avg;
+    }
+    balance_sums_.global += loss * unit;
+  }
+  return absl::OkStatus();
+}
+
+MoeBalanceLosses CpuGPTModel::TakeMoeBalanceLosses() { return std::exchange(balance_sums_, MoeBalanceLosses{}); }
+
+absl::Status CpuGPTModel::FinishMoeStep() {
+  const GPTConfig& cf = config();
+  if (!cf.moe()) return absl::OkStatus();
+  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
+    if (layout_.layers[static_cast<size_t>(l)].router_w < 0) continue;
+    MoeBalanceState& st = BalanceOf(l);
+    st.global_counts.clear();  // Megatron's reset_global_aux_loss_tracker
+    st.global_steps = 0;
+    if (!cf.moe_router_enable_expert_bias) continue;
+    std::vector<double>& tokens = st.tokens;
+    if (moe_data_comm_ != nullptr && moe_data_comm_->size() > 1)
+      PTK_RETURN_IF_ERROR(moe_data_comm_->AllReduceSum(tokens.data(), static_cast<int64_t>(tokens.size())));
+    // get_updated_expert_bias in fp32: the mean load minus each expert's, its sign times the rate.
+    float total = 0;
+    for (double t : tokens) total += static_cast<float>(t);
+    const float mean = total / static_cast<float>(tokens.size()),
+                rate = static_cast<float>(cf.moe_router_bias_update_rate);
+    for (size_t e = 0; e < tokens.size(); ++e) {
+      const float offset = mean - static_cast<float>(tokens[e]);
+      const float sign = offset > 0 ? 1.0f : offset < 0 ? -1.0f : 0.0f;
+      st.expert_bias[e] += sign * rate;
+    }
+    std::fill(tokens.begin(), tokens.end(), 0.0);  // Megatron's reset_model_temporary_tensors
+  }
+  return absl::OkStatus();
+}
+
+ModelBuffers CpuGPTModel::ReadBuffers() const {
+  ModelBuffers out;
+  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
+    const std::string name = ExpertBiasName(l);
+    if (name.empty()) continue;
+    const bool held = static_cast<size_t>(l) < balance_.size() && !balance_[static_cast<size_t>(l)].expert_bias.empty();
+    out.emplace_back(name, held ? balance_[static_cast<size_t>(l)].expert_bias
+                                : std::vector<float>(static_cast<size_t>(config().num_experts), 0.0f));
+  }
+  return out;
+}
+
+absl::Status CpuGPTModel::WriteBuffers(const ModelBuffers& in) {
+  size_t used = 0;
+  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
+    const std::string name = ExpertBiasName(l);
+    if (name.empty()) continue;
+    auto it = std::find_if(in.begin(), in.end(), [&](const auto& b) { return b.first == name; });
+    if (it == in.end())
+      return absl::InvalidArgumentError(fmt::format(
+          "the checkpoint holds no {} (saved without --moe-router-enable-expert-bias?): ptk resumes aux-loss-free "
+          "routing only from a checkpoint of it",
+          name));
+    if (it->second.size() != static_cast<size_t>(config().num_experts))
+      return absl::InvalidArgumentError(fmt::format("the checkpoint's {} has {} values for --num-experts {}", name,
+                                                    it->second.size(), config().num_experts));
+    BalanceOf(l).expert_bias = it->second;
+    ++used;
+  }
+  if (used != in.size())
+    return absl::InvalidArgumentError(
+        fmt::format("the checkpoint holds {} buffer(s) this model has none of (the first: {}; saved with "
+                    "--moe-router-enable-expert-bias, which this run does not give?)",
+                    in.size() - used, in.empty() ? "" : in.front().first));
+  return absl::OkStatus();
+}
+
+}  // namespace ptk
