@@ -352,7 +352,7 @@ class GPTModel {
   double moe_aux_loss_scale_ = 1.0;  // SetMoeAuxLossScale
   // SetMoeDataComm's group.
   Communicator* moe_data_comm_ = nullptr;
-  double mtp_loss_scale_ = 1.0;      // SetMtpLossScale
+  double mtp_loss_scale_ = 1.0;  // SetMtpLossScale
   bool mtp_per_token_ = false;
 
   ParamLayout layout_;

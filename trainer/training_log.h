@@ -162,7 +162,7 @@ class LogInterval {
   double load_balancing_ = 0, z_loss_ = 0;  // z_loss likewise
   // And seq_ and global_load_balancing_loss.
   double seq_load_balancing_ = 0, global_load_balancing_ = 0;
-  std::vector<double> mtp_;                 // multi-token prediction's mtp_K loss likewise
+  std::vector<double> mtp_;  // multi-token prediction's mtp_K loss likewise
 };
 
 // Pauses a LogInterval's clock for its lifetime.
