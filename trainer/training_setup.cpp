@@ -94,7 +94,7 @@ absl::Status Trainer::CheckCpuMemory(const BackendOptions& backend) {
       EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
                                 plan_.micro_batch_size, plan_.micro_batches,
                                 !o_.save.empty() || !o_.load.empty() || !o_.pretrained_checkpoint.empty(),
-                                o_.pipeline_microbatch_group_size, /*threads=*/0, cp_));
+                                o_.pipeline_microbatch_group_size, /*threads=*/0, cp_, o_.expert_model_parallel_size));
   Print(TheoreticalMemoryLine(need));
   return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
 }
