@@ -248,8 +248,6 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
   if (f.pipeline_model_parallel_size > 1)
     return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
-  if (f.options.use_distributed_optimizer) return refuse("--use-distributed-optimizer");
-  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce");
   if (f.options.sample.interval > 0) return refuse("--sample-interval");
   return absl::OkStatus();
 }

@@ -34,7 +34,7 @@ struct DryRunOptions {
   int64_t make_vocab_size_divisible_by = 128;
   int64_t padded_vocab_size = 0;  // > 0: the model's as is (ptk-train --use-checkpoint-args: the checkpoint's)
   int tensor = 1, pipeline = 1, context = 1;
-  int expert = 1;  // --expert-model-parallel-size: its groups are listed (the counts are a whole MoE layer's)
+  int expert = 1;  // --expert-model-parallel-size: its groups are listed, each rank's experts counted (E / expert)
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   int virtual_size = 1;           // model chunks per stage: Megatron's interleaved schedule
   int microbatch_group_size = 0;  // its micro-batches in a row on one chunk; 0: the pipeline size

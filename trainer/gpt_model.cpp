@@ -32,6 +32,11 @@ absl::Status GPTModel::ReadOwnedParams(std::span<float> out) const {
         fmt::format("ReadOwnedParams: {} values for a range of {} parameters", out.size(), moments_size()));
   std::vector<float> all(static_cast<size_t>(num_params()));
   PTK_RETURN_IF_ERROR(ReadParams(all));
+  if (ranges_sharded_) {  // the owned ranges, packed
+    auto at = out.begin();
+    for (const GradRange& g : owned_) at = std::copy(all.begin() + g.begin, all.begin() + g.end, at);
+    return absl::OkStatus();
+  }
   std::copy_n(all.begin() + moments_begin(), moments_size(), out.begin());
   return absl::OkStatus();
 }
@@ -44,6 +49,27 @@ absl::Status GPTModel::ShardOptimizerState(const ParamShard& shard) {
   PTK_RETURN_IF_ERROR(ResizeMoments(shard));
   shard_ = shard;
   return absl::OkStatus();
+}
+
+absl::Status GPTModel::ShardOptimizerStateRanges(std::vector<GradRange> owned) {
+  if (shard_ || ranges_sharded_) return absl::FailedPreconditionError("the optimizer state is sharded already");
+  int64_t total = 0, at = 0;
+  for (const GradRange& g : owned) {
+    if (g.begin < at || g.end < g.begin || g.end > num_params())
+      return absl::InvalidArgumentError(fmt::format(
+          "ShardOptimizerStateRanges: range [{}, {}) of {} parameters out of order", g.begin, g.end, num_params()));
+    at = g.end;
+    total += g.size();
+  }
+  PTK_RETURN_IF_ERROR(ResizeMomentsPacked(total));
+  owned_ = std::move(owned);
+  owned_size_ = total;
+  ranges_sharded_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status GPTModel::ResizeMomentsPacked(int64_t) {
+  return absl::UnimplementedError(fmt::format("{}: no optimizer state sharded by ranges", Describe()));
 }
 
 absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets) {
@@ -91,7 +117,33 @@ void GPTModel::GradsReady(size_t index) {
 
 absl::Status GPTModel::ReduceHostBucket(float* grads, const GradRange& range) {
   if (shard_) return reduce_comm_->ReduceScatterSum(grads + range.begin, shard_->CountsIn(range.begin, range.end));
+  if (expert_comm_ != nullptr) return ReduceExpertParallelBucket(grads, range);
   return reduce_comm_->AllReduceSum(grads + range.begin, range.size());
+}
+
+// Expert parallelism (ReduceExpertParallelGrads' sums, bucket by bucket): the bucket's expert weights over the
+// expert-data group (nothing to add at one rank), every other run over the data group. Each element gets the bits
+// the whole buffer's reduction gives it (gloo adds in rank order).
+absl::Status GPTModel::ReduceExpertParallelBucket(float* grads, const GradRange& range) {
+  Communicator* expert_data = expert_data_comm_;
+  Communicator* run_comm = nullptr;  // the run [run_begin, run_end) of one group, summed at once
+  int64_t run_begin = range.begin, run_end = range.begin;
+  auto flush = [&]() -> absl::Status {
+    if (run_comm == nullptr || run_comm->size() == 1 || run_end == run_begin) return absl::OkStatus();
+    return run_comm->AllReduceSum(grads + run_begin, run_end - run_begin);
+  };
+  for (const ParamInfo& p : layout_.infos) {
+    const int64_t a = std::max(range.begin, p.offset), b = std::min(range.end, p.offset + p.size);
+    if (a >= b) continue;
+    Communicator* comm = p.expert ? expert_data : reduce_comm_;
+    if (comm != run_comm || a != run_end) {
+      PTK_RETURN_IF_ERROR(flush());
+      run_comm = comm;
+      run_begin = a;
+    }
+    run_end = b;
+  }
+  return flush();
 }
 
 absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {

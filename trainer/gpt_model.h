@@ -278,7 +278,14 @@ class GPTModel {
   absl::Status ShardOptimizerState(const ParamShard& shard);
   const std::optional<ParamShard>& shard() const { return shard_; }
   int64_t moments_begin() const { return shard_ ? shard_->begin() : 0; }
-  int64_t moments_size() const { return shard_ ? shard_->size() : num_params(); }
+  int64_t moments_size() const { return shard_ ? shard_->size() : ranges_sharded_ ? owned_size_ : num_params(); }
+  // ZeRO-1 under expert parallelism (trainer/expert_shard.h, the CPU backend): from this call on the model keeps
+  // AdamW's moments for `owned` only (ascending ranges of the buffer), packed in their order (zero), and
+  // ScaleGrads / AdamWUpdate / Read/WriteMoments work on them; shard() stays empty (the gradients are summed
+  // whole). Once, before training and before moments are written.
+  absl::Status ShardOptimizerStateRanges(std::vector<GradRange> owned);
+  bool ranges_sharded() const { return ranges_sharded_; }
+  const std::vector<GradRange>& owned_ranges() const { return owned_; }
   // The shard's gradients summed over the ranks (Communicator::ReduceScatterSum: the bits
   // AllReduceGrads gives them); the other ranges keep this rank's own sums.
   virtual absl::Status ReduceScatterGrads(Communicator* comm) = 0;
@@ -320,6 +327,8 @@ class GPTModel {
   explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
   // ShardOptimizerState's work in the backend: moments for the shard's range only, zeroed.
   virtual absl::Status ResizeMoments(const ParamShard& shard) = 0;
+  // ShardOptimizerStateRanges' work: n moments, zeroed (backends without it refuse).
+  virtual absl::Status ResizeMomentsPacked(int64_t n);
 
   // Backends call GradsReady(i) as their backward finishes range i of BackwardReadyOrder; while a
   // reduction is armed it launches every bucket that completes (LaunchBucket, which must not
@@ -331,6 +340,7 @@ class GPTModel {
   // One bucket of host-memory gradients (`grads` the whole buffer) over reduce_comm_: its sum, or
   // under ZeRO-1 each rank's piece of it.
   absl::Status ReduceHostBucket(float* grads, const GradRange& range);
+  absl::Status ReduceExpertParallelBucket(float* grads, const GradRange& range);
   Communicator* reduce_comm_ = nullptr;  // while a reduction is armed
 
   // The selected chunk's part of the stage: whether it embeds the tokens / ends in the loss, its
@@ -357,6 +367,9 @@ class GPTModel {
 
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
+  std::vector<GradRange> owned_;  // ShardOptimizerStateRanges
+  int64_t owned_size_ = 0;
+  bool ranges_sharded_ = false;
   Communicator* tensor_comm_ = nullptr;
   Communicator* expert_comm_ = nullptr;
   Communicator* expert_data_comm_ = nullptr;

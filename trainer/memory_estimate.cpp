@@ -16,8 +16,9 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
                                                             bool checkpoints, int microbatch_group_size, int threads,
-                                                            int context) {
-  PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
+                                                            int context, int expert_size) {
+  PTK_ASSIGN_OR_RETURN(const ParamLayout layout,
+                       ParamLayout::Create(model, tensor_size, tensor_rank, stage, expert_size, 0));
   CpuTrainingMemory m;
   m.params = layout.num_params;
   const double n = static_cast<double>(layout.num_params);

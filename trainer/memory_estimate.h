@@ -39,12 +39,13 @@ struct CpuTrainingMemory {
 // dropout; t = seq_length). `threads` 0: the threads oneTBB may run now (tbb::global_control's
 // max_allowed_parallelism: ptk-train's --threads, set by its main). With `context` context-parallel
 // ranks: one context rank's buffers (seq_length / context positions of each sample, whose attention
-// runs over the whole samples: its probabilities and work buffers t / context x t per head).
+// runs over the whole samples: its probabilities and work buffers t / context x t per head). With `expert_size`
+// expert ranks (--expert-model-parallel-size): the rank's num_experts / expert_size experts of each MoE layer.
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
                                                             bool checkpoints, int microbatch_group_size = 0,
-                                                            int threads = 0, int context = 1);
+                                                            int threads = 0, int context = 1, int expert_size = 1);
 
 // Megatron's line (megatron/training/theoretical_memory_usage.py), MB of 2^20 bytes:
 // "Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB"; the

@@ -65,11 +65,25 @@ RendezvousStore::~RendezvousStore() {
   if (fd_ >= 0) ::close(fd_);
   // Rank 0 after a failed collective: the other ranks may still ask its store what happened (which
   // rank exited); it serves them until they are gone, for a few seconds at most.
+  // Not for the ranks the diagnosis found silent: a rank that hangs never asks, and would hold rank 0 the whole wait.
   if (server_ && diagnosed_) {
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    while (server_->live() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    while (PeersToServe() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   server_.reset();
+}
+
+int RendezvousStore::PeersToServe() const {
+  if (!server_) return 0;
+  std::vector<int> silent;
+  {
+    std::lock_guard<std::mutex> lock(silent_mu_);
+    silent = silent_;
+  }
+  int n = 0;
+  for (const int r : server_->LiveRanks())
+    if (r != rank_ && std::find(silent.begin(), silent.end(), r) == silent.end()) ++n;
+  return n;
 }
 
 namespace {
@@ -512,6 +526,8 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       dropped.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     } else if (it->second.second == "alive") {
       silent.push_back(fmt::format("rank {} (host {})", r, it->second.first));
+      std::lock_guard<std::mutex> lock(silent_mu_);
+      silent_.push_back(r);
     }
   }
   auto join = [](const std::vector<std::string>& v) {

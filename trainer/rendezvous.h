@@ -110,6 +110,11 @@ class RendezvousStore {
   // off", or that rank 0 itself does not answer. Never fails; the text is for the error message.
   std::string DiagnosePeers(const std::string& what_failed);
 
+  // Rank 0: the other ranks still connected to its store that its diagnosis (DiagnosePeers) did not judge silent
+  // (hung or cut off: they will not come to ask what happened). Its destructor, after a diagnosis, serves the
+  // store while there are any, a few seconds at most. Others: 0.
+  int PeersToServe() const;
+
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   const std::string& host() const { return host_; }
@@ -142,6 +147,8 @@ class RendezvousStore {
   std::chrono::milliseconds timeout_{0};
   std::mutex mu_;                       // one request at a time on the connection (held through the round trip)
   std::atomic<bool> diagnosed_{false};  // DiagnosePeers ran (on a watchdog's thread, perhaps)
+  mutable std::mutex silent_mu_;
+  std::vector<int> silent_;  // the ranks DiagnosePeers judged silent (hung), under silent_mu_
   // A peer's reported failure ("u\t" or "f\t", then its text), once heard. Its own mutex, never held
   // across a request: HeardFailure (an NCCL watchdog's check, every 100 ms, under its communicator's
   // lock) must not wait for another thread's request (a poll's round trip, a get that waits for a key).

@@ -268,8 +268,22 @@ void RendezvousServer::Drop(int fd, Waiting* waiting) {
     left_[it->second.rank] = it->second.host;
     if (unread) dropped_.insert(it->second.rank);
     registered_.erase(it);
-    live_ = static_cast<int>(registered_.size());
+    SetLive();
   }
+}
+
+void RendezvousServer::SetLive() {
+  std::vector<int> ranks;
+  for (const auto& [fd, who] : registered_) ranks.push_back(who.rank);
+  std::sort(ranks.begin(), ranks.end());
+  std::lock_guard<std::mutex> lock(live_mu_);
+  live_ranks_ = std::move(ranks);
+  live_ = static_cast<int>(registered_.size());
+}
+
+std::vector<int> RendezvousServer::LiveRanks() const {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  return live_ranks_;
 }
 
 std::string RendezvousServer::Peers() const {
@@ -317,7 +331,7 @@ char RendezvousServer::Hello(int fd, const std::string& rank, const std::string&
   if (ever_ranks_.count(r)) return kRejoin;
   if (other_settings) return RefuseSettings(r, f, settings);
   registered_[fd] = {r, f[0], std::atoll(f[3].c_str())};
-  live_ = static_cast<int>(registered_.size());
+  SetLive();
   ever_ranks_.insert(r);
   ever_ = static_cast<int>(ever_ranks_.size());
   return kJoined;

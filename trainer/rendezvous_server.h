@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -120,6 +121,8 @@ class RendezvousServer {
 
   // Connected ranks (for rank 0's exit after a failure: the others may still ask what happened).
   int live() const { return live_; }
+  // The connected ranks' numbers, ascending (any thread).
+  std::vector<int> LiveRanks() const;
   // Distinct ranks that have registered since the start.
   int ever() const { return ever_; }
   int port() const { return port_; }  // the one bound (any free one for port 0)
@@ -174,6 +177,9 @@ class RendezvousServer {
   std::map<int, std::string> refused_;  // rank -> its last hello refused for its settings, in words
   std::atomic<bool> stop_{false};
   std::atomic<int> live_{0}, ever_{0};
+  mutable std::mutex live_mu_;
+  std::vector<int> live_ranks_;  // registered_'s ranks, under live_mu_ (SetLive)
+  void SetLive();                // live_ and live_ranks_ from registered_
   int port_ = 0, world_size_ = 0, bind_errno_ = 0;
   std::thread thread_;
 };

@@ -4,13 +4,16 @@
 #include <span>
 
 #include "common/status.h"
+#include "trainer/expert_shard.h"
 
 namespace ptk {
 
 namespace {
-// Expert parallelism (one tensor rank and stage, no ZeRO-1): each expert rank's weights and moments (its
-// experts' and the replicated rest) gathered over its expert group, data rank 0 then holding every expert
-// rank's file (mp_rank_00_EEE), as Megatron's expert-data rank 0 of each expert rank saves it.
+// Expert parallelism (one tensor rank and stage): each expert rank's weights and moments (its experts' and the
+// replicated rest) gathered over its expert group, data rank 0 then holding every expert rank's file
+// (mp_rank_00_EEE), as Megatron's expert-data rank 0 of each expert rank saves it. Under ZeRO-1 (the moments
+// sharded by ranges, expert_shard.h) each rank's whole moments are first put together from its groups' parts:
+// the file holds every moment, as without ZeRO-1, so that any data or expert size loads it.
 absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert) {
   if (model->shard() || model->layout().tensor_size > 1 || model->layout().pipeline_size > 1)
     return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1, tensor or pipeline parallelism");
@@ -21,7 +24,11 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Com
     return all[k].begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(e) * n);
   };
   PTK_RETURN_IF_ERROR(model->ReadParams(std::span<float>(&*at(0, me), n)));
-  PTK_RETURN_IF_ERROR(model->ReadMoments(std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
+  if (model->ranges_sharded())
+    PTK_RETURN_IF_ERROR(
+        GatherExpertShardedMoments(model, data, std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
+  else
+    PTK_RETURN_IF_ERROR(model->ReadMoments(std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
   const std::vector<int64_t> bytes(static_cast<size_t>(E), static_cast<int64_t>(n * sizeof(float)));
   for (std::vector<float>& v : all) PTK_RETURN_IF_ERROR(expert->AllGather(v.data(), bytes));
   std::vector<CheckpointArrays> out;

@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "trainer/expert_grads.h"
+#include "trainer/expert_shard.h"
 
 namespace ptk {
 
@@ -343,12 +344,14 @@ absl::StatusOr<double> TrainStep::CountZerosInGrad() {
 }
 
 absl::StatusOr<double> TrainStep::ParamsNorm() {
-  std::vector<float> own(static_cast<size_t>(model_->moments_size()));
-  PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
-  if (model_->expert_comm()) {
-    PTK_ASSIGN_OR_RETURN(const double sum, ExpertParallelSum(model_->layout(), own, true, model_->expert_comm()));
+  if (model_->expert_comm()) {  // every rank holds its whole model (under ZeRO-1 too: gathered after the update)
+    std::vector<float> all(static_cast<size_t>(model_->num_params()));
+    PTK_RETURN_IF_ERROR(model_->ReadParams(all));
+    PTK_ASSIGN_OR_RETURN(const double sum, ExpertParallelSum(model_->layout(), all, true, model_->expert_comm()));
     return std::sqrt(sum);
   }
+  std::vector<float> own(static_cast<size_t>(model_->moments_size()));
+  PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
   double sum = 0;
   const int64_t begin = model_->moments_begin();
   // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;
@@ -379,9 +382,9 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
   PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, Groups(r.lr)));
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-inner-step"));
   // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
-  if (model_->shard()) {
+  if (model_->shard() || model_->ranges_sharded()) {
     PTK_RETURN_IF_ERROR(StartTimer(timers_, "params-all-gather", 1));
-    PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
+    PTK_RETURN_IF_ERROR(model_->shard() ? model_->AllGatherParams(comm_) : AllGatherExpertShardedParams(model_, comm_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "params-all-gather"));
   }
   scheduler_.Step(global_batch_size);

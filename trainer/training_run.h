@@ -54,6 +54,7 @@ class Trainer {
 
   // Before the model is made: what this rank will hold (Megatron's line, from rank 0), and a run
   // that cannot fit in what the machine, its cgroup or ulimit -v leave (with this node's ranks) stopped.
+  absl::Status ShardExpertParallelOptimizer();
   absl::Status CheckCpuMemory(const BackendOptions& backend);
 
   // --load: the weights, and unless --finetune the iteration, data position, moments and the training step's

@@ -16,6 +16,7 @@
 #include "indexed_dataset/data_loader.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_retention.h"
+#include "trainer/expert_shard.h"
 #include "trainer/memory_estimate.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_shard.h"
@@ -37,7 +38,9 @@ absl::Status Trainer::SetUp() {
     backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank(), o_.pipeline_virtual_size);
   if (backend.device == Device::kCpu) PTK_RETURN_IF_ERROR(CheckCpuMemory(backend));
   PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
-  if (o_.use_distributed_optimizer) {
+  if (o_.use_distributed_optimizer && model_->expert_comm() != nullptr) {
+    PTK_RETURN_IF_ERROR(ShardExpertParallelOptimizer());
+  } else if (o_.use_distributed_optimizer) {
     PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
     PTK_RETURN_IF_ERROR(model_->ShardOptimizerState(shard));
     if (dp_ == 1 && lead_)
@@ -87,6 +90,22 @@ absl::Status Trainer::SetUp() {
   return absl::OkStatus();
 }
 
+// --use-distributed-optimizer with expert parallelism: the dense moments over the data ranks, the experts' over
+// the expert-data ranks (expert_shard.h).
+absl::Status Trainer::ShardExpertParallelOptimizer() {
+  const ExpertShard shard = ExpertShardOf(*model_, *comm_);
+  const std::vector<GradRange> owned = shard.Owned();
+  PTK_RETURN_IF_ERROR(model_->ShardOptimizerStateRanges(owned));
+  if (lead_) {
+    const Communicator* ed = model_->expert_data_comm();
+    log::Info(
+        "distributed optimizer: the dense parameters' AdamW state sharded over {} data-parallel ranks, the experts' "
+        "over {} expert-data-parallel rank(s); rank 0 keeps {} of its {} parameters'",
+        comm_->size(), ed ? ed->size() : 1, model_->moments_size(), model_->num_params());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::CheckCpuMemory(const BackendOptions& backend) {
   const int T = tensor_ ? tensor_->size() : 1, t = tensor_ ? tensor_->rank() : 0;
   PTK_ASSIGN_OR_RETURN(
@@ -94,7 +113,7 @@ absl::Status Trainer::CheckCpuMemory(const BackendOptions& backend) {
       EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
                                 plan_.micro_batch_size, plan_.micro_batches,
                                 !o_.save.empty() || !o_.load.empty() || !o_.pretrained_checkpoint.empty(),
-                                o_.pipeline_microbatch_group_size, /*threads=*/0, cp_));
+                                o_.pipeline_microbatch_group_size, /*threads=*/0, cp_, o_.expert_model_parallel_size));
   Print(TheoreticalMemoryLine(need));
   return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
 }
@@ -151,8 +170,12 @@ absl::Status Trainer::Resume() {
     // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
     const size_t begin = static_cast<size_t>(model_->moments_begin()),
                  size = static_cast<size_t>(model_->moments_size());
-    PTK_RETURN_IF_ERROR(model_->WriteMoments(std::span<const float>(m).subspan(begin, size),
-                                             std::span<const float>(v).subspan(begin, size)));
+    if (model_->ranges_sharded())  // expert parallelism's ZeRO-1: its owned ranges, packed
+      PTK_RETURN_IF_ERROR(
+          model_->WriteMoments(PackRanges(model_->owned_ranges(), m), PackRanges(model_->owned_ranges(), v)));
+    else
+      PTK_RETURN_IF_ERROR(model_->WriteMoments(std::span<const float>(m).subspan(begin, size),
+                                               std::span<const float>(v).subspan(begin, size)));
     step_state.adam_step = loaded.adam_step;
     step_state.loss_scale = loaded.loss_scale;
   }

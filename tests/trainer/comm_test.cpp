@@ -307,6 +307,25 @@ TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
   for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();  // rank 0, which serves them, last
 }
 
+// After a failed collective rank 0 serves its store a few seconds for the ranks that will come to ask what
+// happened: not for a rank its diagnosis found silent (hung, its connection open), which never asks and held
+// rank 0's exit the whole 5 s; a rank that reported a failure is still waited for.
+TEST(Rendezvous, RankZeroDoesNotWaitForARankItFoundSilent) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(3, 3, port, milliseconds(1000), &stores));
+  EXPECT_EQ(stores[0]->PeersToServe(), 2);
+  EXPECT_EQ(stores[1]->PeersToServe(), 0);                                 // only rank 0 serves
+  (void)stores[2]->DiagnosePeers("all-reduce: Connection reset by peer");  // rank 2 failed and will ask
+  EXPECT_EQ(stores[0]->DiagnosePeers("all-reduce: timed out"),
+            "rank 1 (host " + HostName() + ") did not report a failure: it hangs (or is cut off from the others)");
+  EXPECT_EQ(stores[0]->PeersToServe(), 1);  // rank 2, not the silent rank 1 (still connected)
+  stores[2].reset();
+  stores[0].reset();  // waits for rank 2's connection to close only
+  stores[1].reset();
+}
+
 // Ranks that never come: every rank's error names all of them, not the first one waited for (gloo's
 // full-mesh rendezvous waits for rank 2's address, NCCL's rank 0 for key 'ptk/nccl-joined/2': both
 // said only that one, though rank 3 never came either).

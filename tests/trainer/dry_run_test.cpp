@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "common/status.h"
+#include "trainer/param_layout.h"
 
 namespace ptk {
 namespace {
@@ -152,6 +153,47 @@ TEST(PlanDryRun, MemoryOfEachStageByHand) {
   EXPECT_DOUBLE_EQ(f0.weights, 4.0 * f0.params);
   EXPECT_DOUBLE_EQ(f0.optimizer, 8.0 * f0.params);  // fp32: the weights are the master copy
   EXPECT_DOUBLE_EQ(f0.total, f0.weights + f0.gradients + f0.optimizer / 2 + f0.activations_recomputed);
+}
+
+// Expert parallelism (E = 2 of 4 data ranks, 4 experts): each rank holds 2 of each MoE layer's 4 experts (the
+// router keeps all 4 rows), as its ParamLayout does; ZeRO-1 shards the dense state over the 4 data ranks and the
+// experts' over the 2 expert-data ranks (Megatron's).
+TEST(PlanDryRun, ExpertRanksCountTheirOwnExpertsOnly) {
+  DryRunOptions o;
+  o.model = Model(2, 64, 8, 32, 1000);
+  o.model.num_experts = 4;
+  o.model.moe_ffn_hidden_size = 48;
+  o.model.add_bias_linear = false;
+  o.make_vocab_size_divisible_by = 8;
+  o.micro_batch_size = 1;
+  o.global_batch_size = 4;
+  o.cluster.world_size = 4;
+  o.cluster.world_source = "WORLD_SIZE";
+  o.cluster.gpus_per_node = 4;
+  o.cluster.gpus_source = "--gpus-per-node";
+  auto whole = PlanDryRun(o);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  o.expert = 2;
+  o.use_distributed_optimizer = true;
+  auto plan = PlanDryRun(o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const int64_t expert = 2 * 48 * 64;  // fc1 and fc2 (GELU: no gate)
+  const StageMemory &all = whole->stages[0], &mine = plan->stages[0];
+  EXPECT_EQ(mine.params, all.params - 2 * 2 * expert);  // 2 layers x the 2 experts of the other rank
+  auto layout = ParamLayout::Create(plan->model, 1, 0, {}, 2, 1);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(mine.params, layout->num_params);
+  EXPECT_DOUBLE_EQ(mine.weights, 4.0 * mine.params);
+  EXPECT_DOUBLE_EQ(mine.gradients, 4.0 * mine.params);
+  EXPECT_DOUBLE_EQ(mine.optimizer, 8.0 * mine.params);
+  const double local = 2 * 2 * expert;
+  EXPECT_DOUBLE_EQ(mine.optimizer_zero1, 8.0 * ((mine.params - local) / 4 + local / 2));
+  EXPECT_DOUBLE_EQ(mine.total, mine.weights + mine.gradients + mine.optimizer_zero1 + mine.activations);
+  auto report = DryRunReport(o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_NE(report->find("the experts' over the 2 expert-data-parallel ranks; each rank holds 2 of the 4 experts"),
+            std::string::npos)
+      << *report;
 }
 
 // The interleaved schedule (V = 2 chunks of one layer, P = 2, 4 micro-batches): the same

@@ -163,9 +163,7 @@ TEST_F(EpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
        "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2"},
       {moe + "2 --context-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
-      {moe + "2 --use-distributed-optimizer",
-       "usage error: --expert-model-parallel-size 2 with --use-distributed-optimizer"},
-      {moe + "2 --overlap-grad-reduce", "usage error: --expert-model-parallel-size 2 with --overlap-grad-reduce"},
+      // --use-distributed-optimizer and --overlap-grad-reduce: ep_distopt_cli_test.
       {moe + "2 --sample-interval 1", "usage error: --expert-model-parallel-size 2 with --sample-interval"},
       {moe + "2 --device cuda",
        "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},

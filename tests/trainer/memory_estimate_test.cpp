@@ -53,6 +53,25 @@ TEST(MemoryEstimate, PlannedActivationsAreWhatThePassAllocates) {
   }
 }
 
+// Expert parallelism: a rank's weights, gradients and moments are its own experts' (num_experts / E of each MoE
+// layer) and the rest's, what its model allocates.
+TEST(MemoryEstimate, AnExpertRankCountsItsOwnExpertsOnly) {
+  GPTConfig c = Gpt3();
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  auto whole = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 1, 1, /*checkpoints=*/true, 0, 1);
+  auto mine = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 1, 1, /*checkpoints=*/true, 0, 1, 1, /*expert_size=*/2);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  auto layout = ParamLayout::Create(c, 1, 0, {}, 2, 0);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(mine->params, layout->num_params);
+  EXPECT_EQ(mine->params, whole->params - 3 * 2 * c.expert_floats());  // 3 layers x the other rank's 2 experts
+  EXPECT_EQ(mine->weights_and_optimizer, 16.0 * static_cast<double>(mine->params));
+  EXPECT_EQ(mine->checkpoint_copies, 12.0 * static_cast<double>(mine->params));
+}
+
 // Pipeline stages keep the activations of the micro-batches in flight: 1F1B's min(P - p, M).
 TEST(MemoryEstimate, PipelineStagesKeepTheirMicroBatchesInFlight) {
   const GPTConfig c = Gpt3();

@@ -108,16 +108,31 @@ absl::StatusOr<double> CpuGPTModel::GradSumSquares() {
 }
 
 absl::Status CpuGPTModel::ScaleGrads(double s) {
+  if (ranges_sharded()) {
+    for (const GradRange& g : owned_ranges()) cpu::Scale(grads_.data() + g.begin, g.size(), static_cast<float>(s));
+    return absl::OkStatus();
+  }
   cpu::Scale(grads_.data() + moments_begin(), moments_size(), static_cast<float>(s));
   return absl::OkStatus();
 }
 
 absl::Status CpuGPTModel::AdamWUpdate(const AdamWGroups& groups) {
   float *p = params_.data(), *g = grads_.data(), *m = exp_avg_.data(), *v = exp_avg_sq_.data();
-  if (!shard()) {
+  if (!shard() && !ranges_sharded()) {
     for (const ParamInfo& info : params_info()) {
       const int64_t o = info.offset;
       cpu::AdamW(p + o, g + o, m + o, v + o, info.size, groups.Of(info));
+    }
+    return absl::OkStatus();
+  }
+  if (ranges_sharded()) {  // the moments hold the owned ranges, packed
+    int64_t at = 0;
+    for (const GradRange& r : owned_ranges()) {
+      for (const ParamPiece& piece : PiecesIn(layout(), r.begin, r.end)) {
+        const int64_t o = piece.offset, k = at + (o - r.begin);
+        cpu::AdamW(p + o, g + o, m + k, v + k, piece.size, groups.Of(piece));
+      }
+      at += r.size();
     }
     return absl::OkStatus();
   }
@@ -133,6 +148,12 @@ absl::Status CpuGPTModel::AdamWUpdate(const AdamWGroups& groups) {
 absl::Status CpuGPTModel::ResizeMoments(const ParamShard& shard) {
   exp_avg_.assign(static_cast<size_t>(shard.size()), 0.0f);
   exp_avg_sq_.assign(static_cast<size_t>(shard.size()), 0.0f);
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::ResizeMomentsPacked(int64_t n) {
+  exp_avg_.assign(static_cast<size_t>(n), 0.0f);
+  exp_avg_sq_.assign(static_cast<size_t>(n), 0.0f);
   return absl::OkStatus();
 }
 

@@ -98,6 +98,7 @@ class CpuGPTModel final : public GPTModel {
 
  protected:
   absl::Status ResizeMoments(const ParamShard& shard) override;
+  absl::Status ResizeMomentsPacked(int64_t n) override;
   // --overlap-grad-reduce: a communication thread reduces each bucket as backward completes it.
   absl::Status BeginBucketReduction(const std::vector<GradRange>& buckets) override;
   void LaunchBucket(int bucket, const GradRange& range) override;
