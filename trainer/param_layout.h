@@ -93,6 +93,10 @@ struct GPTConfig {
   double moe_router_topk_scaling_factor = 0;
   // Group-limited routing (--moe-router-num-groups, --moe-router-group-topk; group topk 0: none).
   int64_t moe_router_num_groups = 0, moe_router_group_topk = 0;
+  // --moe-expert-capacity-factor (below 0: none, dropless; a training setting, as Megatron's) and
+  // --moe-token-drop-policy position (false: probs): the slots over each expert's capacity dropped.
+  double moe_expert_capacity_factor = -1;
+  bool moe_token_drop_position = false;
   // Megatron's multi-latent attention (--multi-latent-attention, MLATransformerConfig; DeepSeek-V2/V3):
   // each layer's attention is MLASelfAttention of megatron-core's local spec (trainer/cpu/mla_cpu.h):
   // queries from linear_q_proj, or through a q_lora_rank latent (0: Megatron's None); keys and values
