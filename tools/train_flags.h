@@ -95,6 +95,9 @@ struct TrainFlags {
     std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
+    std::optional<double> capacity_factor;  // token dropping (ResolveCapacity, moe_flags.cpp)
+    std::string drop_policy;                // empty: not given (probs)
+    bool pad_to_capacity = false;
   } moe;
   // Megatron's multi-latent attention (mla_flags.cpp): Megatron-LM's defaults; rope_type empty: not given.
   struct Mla {

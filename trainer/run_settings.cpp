@@ -140,6 +140,9 @@ Settings MoeSettingsOf(const GPTConfig& m) {
        m.moe_router_topk_scaling_factor > 0 ? Num(m.moe_router_topk_scaling_factor) : ""},
       {"--moe-router-num-groups", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_num_groups) : ""},
       {"--moe-router-group-topk", m.moe_router_group_topk > 0 ? std::to_string(m.moe_router_group_topk) : ""},
+      {"--moe-expert-capacity-factor", m.moe_expert_capacity_factor >= 0 ? Num(m.moe_expert_capacity_factor) : ""},
+      {"--moe-token-drop-policy",
+       m.moe_expert_capacity_factor >= 0 ? (m.moe_token_drop_position ? "position" : "probs") : ""},
   };
 }
 
