@@ -66,6 +66,17 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   AddMoeBalanceFlags(app, f);  // moe_balance_flags.cpp
   AddSharedExpertFlags(app, f);
+  app->add_option("--moe-expert-capacity-factor", m.capacity_factor,
+                  "Token dropping: each expert takes at most ceil(tokens x topk / experts x F) of the router's "
+                  "tokens (this rank's micro-batch), the rest get no expert output (default none: dropless; below "
+                  "0: none)")
+      ->check(cli::RealIn(-1e6, true, 1e6, true));
+  app->add_option("--moe-token-drop-policy", m.drop_policy,
+                  "With a capacity factor: probs (the default: each expert keeps its largest probabilities) or "
+                  "position (the earliest tokens, sequence then micro-batch order)");
+  app->add_flag("--moe-pad-expert-input-to-capacity", m.pad_to_capacity,
+                "With a capacity factor: accepted, layout only (Megatron's padded rows have probability 0: no "
+                "output, no gradient)");
 }
 
 namespace {
@@ -175,6 +186,30 @@ absl::Status ResolveRouterExtras(const TrainFlags::Moe& m, GPTConfig* model, std
   model->moe_router_group_topk = g;
   return absl::OkStatus();
 }
+// Token dropping: --moe-expert-capacity-factor, --moe-token-drop-policy, --moe-pad-expert-input-to-capacity, with
+// Megatron's TransformerConfig checks (a factor below 0 is None; padding needs a factor).
+absl::Status ResolveCapacity(const TrainFlags::Moe& m, GPTConfig* model, std::vector<std::string>* notes) {
+  if (!m.drop_policy.empty() && m.drop_policy != "probs" && m.drop_policy != "position")
+    return UsageError("--moe-token-drop-policy " + m.drop_policy + ": probs or position (Megatron's choices)");
+  const bool capacity = m.capacity_factor && *m.capacity_factor >= 0;
+  if (m.capacity_factor && !capacity)
+    notes->push_back(fmt::format("--moe-expert-capacity-factor {}: below 0, no capacity (dropless, as Megatron)",
+                                 *m.capacity_factor));
+  if (m.pad_to_capacity && !capacity)
+    return UsageError(
+        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (0 or more; as Megatron's "
+        "TransformerConfig)");
+  if (!m.drop_policy.empty() && !capacity)
+    notes->push_back("--moe-token-drop-policy " + m.drop_policy +
+                     ": accepted, no effect without --moe-expert-capacity-factor (as Megatron)");
+  if (m.pad_to_capacity)
+    notes->push_back(
+        "--moe-pad-expert-input-to-capacity: accepted, layout only (the padded rows have probability 0: no output, "
+        "no gradient; ptk sends the kept rows alone)");
+  model->moe_expert_capacity_factor = capacity ? *m.capacity_factor : -1;
+  model->moe_token_drop_position = capacity && m.drop_policy == "position";
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
@@ -185,6 +220,8 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
     if (m.topk || m.ffn || !m.aux_loss_coeff.empty() || m.pre_softmax || !m.layer_freq.empty() ||
         !m.router_dtype.empty() || m.z_loss_coeff || m.topk_scaling_factor || m.num_groups || m.group_topk ||
         m.enable_expert_bias || m.bias_update_rate)
+      notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
+    else if (m.capacity_factor || !m.drop_policy.empty() || m.pad_to_capacity)
       notes->push_back("--moe-* flags: accepted, no effect without --num-experts (as Megatron)");
     return absl::OkStatus();
   }
@@ -213,6 +250,7 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
   PTK_RETURN_IF_ERROR(ResolveMoeBalance(f, model, notes));  // the load-balancing types (moe_balance_flags.cpp)
   PTK_RETURN_IF_ERROR(ResolveRouterExtras(m, model, notes));
   PTK_RETURN_IF_ERROR(ResolveSharedExpertFlags(f, model, notes));
+  PTK_RETURN_IF_ERROR(ResolveCapacity(m, model, notes));
   PTK_RETURN_IF_ERROR(ResolveLayerFreq(m.layer_freq, model->num_layers, &model->moe_layer_pattern));
   if (!model->moe_layer_pattern.empty() && model->moe_layers() == 0)
     return UsageError("--moe-layer-freq " + m.layer_freq +

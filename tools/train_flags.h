@@ -100,6 +100,9 @@ struct TrainFlags {
     // Shared experts (shared_experts_flags.cpp): their width (none: no shared experts), the gate, the overlap.
     std::optional<int64_t> shared_expert_size;
     bool shared_expert_gate = false, shared_expert_overlap = false;
+    std::optional<double> capacity_factor;  // token dropping (ResolveCapacity, moe_flags.cpp)
+    std::string drop_policy;                // empty: not given (probs)
+    bool pad_to_capacity = false;
   } moe;
   // Megatron's multi-latent attention (mla_flags.cpp): Megatron-LM's defaults; rope_type empty: not given.
   struct Mla {

@@ -132,19 +132,19 @@ constexpr Group kGroups[] = {
      "--sgd-momentum="},
     {false, "no tokenizer model is read from the checkpoint (ptk-train reads GPT-2 BPE data)",
      "--disable-use-tokenizer-model-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args"},
-    {true, "this mixture-of-experts feature is not implemented: ptk's MoE is dropless top-k routing with softmax "
-           "or sigmoid scores (no capacity or jitter), SequentialMLP experts (and shared experts), aux_loss, "
-           "seq_aux_loss, global_aux_loss or none",
+    {true, "this mixture-of-experts feature is not implemented: ptk's MoE is top-k routing (dropless or with an "
+           "expert capacity) with softmax or sigmoid scores (no jitter), SequentialMLP experts (and shared "
+           "experts), aux_loss, seq_aux_loss, global_aux_loss or none",
      "--ep-overlap-early-attn-memory-release "
      "--expert-tensor-parallel-size= --moe-apply-probs-on-input "
      "--moe-deepep-num-sms= --moe-enable-deepep --moe-enable-routing-replay "
-     "--moe-expert-capacity-factor= --moe-extended-tp "
+     "--moe-extended-tp "
      "--moe-flex-dispatcher-backend= --moe-hybridep-num-sms= "
      "--moe-input-jitter-eps= --moe-latent-size= --moe-layer-recompute "
-     "--moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference "
+     "--moe-pad-experts-for-cuda-graph-inference "
      "--moe-router-force-load-balancing --moe-router-fusion "
      "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "
-     "--moe-token-drop-policy= --moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
+     "--moe-upcycling-granularity= --moe-use-legacy-grouped-gemm "
      "--moe-use-upcycling --overlap-moe-expert-parallel-comm "
      "--use-fused-weighted-squared-relu"},
     {true, "Mamba and hybrid models are not implemented",

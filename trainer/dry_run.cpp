@@ -3,6 +3,7 @@
 #include "trainer/dry_run.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <vector>
@@ -117,8 +118,12 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
   // input 3sbF) ...
   const double q = a * static_cast<double>(c.head_dim()), kv = static_cast<double>(c.query_groups() * c.head_dim());
   double mlp = (c.swiglu ? 3 : 2) * s * b * f;
-  if (c.moe()) {  // the MoE layers' experts see each token k times (the layers' mean)
-    const double moe = static_cast<double>(c.moe_router_topk) * (c.swiglu ? 3 : 2) * s * b * c.moe_ffn() +
+  if (c.moe()) {  // the MoE layers' experts see each token k times (the layers' mean), at most their capacity
+    const double E = static_cast<double>(c.num_experts), routed = static_cast<double>(c.moe_router_topk) * s * b;
+    const double rows = c.moe_expert_capacity_factor < 0
+                            ? routed
+                            : std::min(routed, E * std::ceil(routed / E * c.moe_expert_capacity_factor));
+    const double moe = rows * (c.swiglu ? 3 : 2) * static_cast<double>(c.moe_ffn()) +
                        (c.swiglu ? 3 : 2) * s * b * static_cast<double>(c.moe_shared_expert_intermediate_size),
                  share = static_cast<double>(c.moe_layers()) / static_cast<double>(c.num_layers);
     mlp = share * moe + (1 - share) * mlp;

@@ -123,6 +123,9 @@ absl::Status GPTConfig::ValidateMoe() const {
   if (!(moe_router_topk_scaling_factor >= 0 && std::isfinite(moe_router_topk_scaling_factor)))
     return bad(
         fmt::format("moe_router_topk_scaling_factor {}: must be above 0 (or 0: none)", moe_router_topk_scaling_factor));
+  if (!std::isfinite(moe_expert_capacity_factor))
+    return bad(
+        fmt::format("moe_expert_capacity_factor {}: must be finite (or below 0: none)", moe_expert_capacity_factor));
   if (moe_router_group_topk != 0) {  // Megatron's checks, and what leaves its top-k without ties of -inf
     const int64_t G = moe_router_num_groups, g = moe_router_group_topk;
     if (G < 1 || num_experts % G != 0 || g < 1 || g > G)

@@ -105,6 +105,10 @@ struct GPTConfig {
   // theirs; with moe_shared_expert_gate (--moe-shared-expert-gate) scaled by sigmoid(x . gate_weight) per token.
   int64_t moe_shared_expert_intermediate_size = 0;
   bool moe_shared_expert_gate = false;
+  // --moe-expert-capacity-factor (below 0: none, dropless; a training setting, as Megatron's) and
+  // --moe-token-drop-policy position (false: probs): the slots over each expert's capacity dropped.
+  double moe_expert_capacity_factor = -1;
+  bool moe_token_drop_position = false;
   // Megatron's multi-latent attention (--multi-latent-attention, MLATransformerConfig; DeepSeek-V2/V3):
   // each layer's attention is MLASelfAttention of megatron-core's local spec (trainer/cpu/mla_cpu.h):
   // queries from linear_q_proj, or through a q_lora_rank latent (0: Megatron's None); keys and values

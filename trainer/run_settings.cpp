@@ -149,6 +149,9 @@ Settings MoeSettingsOf(const GPTConfig& m) {
       {"--moe-shared-expert-intermediate-size",
        m.moe_shared_expert_intermediate_size > 0 ? std::to_string(m.moe_shared_expert_intermediate_size) : ""},
       {"--moe-shared-expert-gate", m.moe_shared_expert_gate ? "on" : "off"},
+      {"--moe-expert-capacity-factor", m.moe_expert_capacity_factor >= 0 ? Num(m.moe_expert_capacity_factor) : ""},
+      {"--moe-token-drop-policy",
+       m.moe_expert_capacity_factor >= 0 ? (m.moe_token_drop_position ? "position" : "probs") : ""},
   };
 }
 

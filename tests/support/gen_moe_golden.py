@@ -16,6 +16,7 @@ the MoE layers).
 
 The router's options: the z-loss (z_loss, logged as the load-balancing loss is), the top-k scaling factor and
 group-limited routing.
+Token dropping (moe_capacity_*): --moe-expert-capacity-factor with either drop policy (stable_token_dropping).
 
 Load balancing (moe_expert_bias, moe_seq_aux, moe_global_aux): aux-loss-free routing's expert bias, whose
 update after each step is megatron-core's own (finalize_model_grads calls _update_router_expert_bias, i.e.
@@ -96,6 +97,16 @@ GOLDENS = {
     "moe_global_aux": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
                            moe_router_pre_softmax=False, moe_layer_freq=[1, 1, 0],
                            moe_router_load_balancing_type="global_aux_loss"),
+    # Token dropping (--moe-expert-capacity-factor): moe_gelu's model, each expert keeping at most
+    # ceil(16 tokens x 2 / 4 x 0.75) = 6 of a micro-batch's slots, those of the largest probabilities.
+    "moe_capacity_probs": dict(moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05, swiglu=False,
+                               moe_router_pre_softmax=False, moe_layer_freq=[1, 0, 1],
+                               moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs"),
+    # moe_swiglu's model (top-3 before the softmax, every layer MoE), each expert keeping the earliest
+    # ceil(16 x 3 / 4 x 0.5) = 6 tokens routed to it (sequence then micro-batch order).
+    "moe_capacity_position": dict(moe_router_topk=3, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.1, swiglu=True,
+                                  moe_router_pre_softmax=True, moe_layer_freq=1, moe_expert_capacity_factor=0.5,
+                                  moe_token_drop_policy="position"),
 }
 # Megatron's defaults of the router's options the goldens above leave out.
 ROUTER_DEFAULTS = dict(moe_z_loss_coeff=None, moe_router_topk_scaling_factor=None, moe_router_num_groups=None,
@@ -130,7 +141,10 @@ def build(torch, g):
         moe_z_loss_coeff=c["moe_z_loss_coeff"], moe_router_topk_scaling_factor=c["moe_router_topk_scaling_factor"],
         moe_router_num_groups=c["moe_router_num_groups"], moe_router_group_topk=c["moe_router_group_topk"],
         moe_router_enable_expert_bias=c["moe_router_enable_expert_bias"],
-        moe_router_bias_update_rate=c["moe_router_bias_update_rate"])
+        moe_router_bias_update_rate=c["moe_router_bias_update_rate"],
+        moe_expert_capacity_factor=c.get("moe_expert_capacity_factor"),
+        moe_token_drop_policy=c.get("moe_token_drop_policy", "probs"),
+        moe_pad_expert_input_to_capacity=c.get("moe_pad_expert_input_to_capacity", False))
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
                    max_sequence_length=c["max_position_embeddings"], position_embedding_type="learned_absolute",
@@ -232,6 +246,64 @@ def run(torch, name, g, out_dir):
     with open(os.path.join(out_dir, name + ".bin"), "wb") as fh:
         fh.write(bytes(blob))
     print(f"wrote {name}: {steps}", file=sys.stderr)
+    return steps, bytes(blob)
+
+
+# Token dropping's count over a run, and how often torch's own top-k kept another set than the stable one.
+DROPS = {"routed": 0, "dropped": 0, "torch_differs": 0}
+
+
+def stable_token_dropping(torch):
+    """Megatron's apply_router_token_dropping with a stable top-k: among equal values the earlier token.
+
+    Its "position" policy is a top-k of the 0/1 routing map over the tokens: torch's CPU top-k (sorted=False)
+    returns an arbitrary set among equal values (in torch 2.6 not the earliest tokens), while Megatron documents
+    the policy as dropping the tokens at the end. The goldens use the documented selection; the probabilities'
+    policy is checked to keep the very set torch's own top-k keeps (no ties among the routed probabilities)."""
+    import megatron.core.transformer.moe.router as router
+    from megatron.core.transformer.moe import moe_utils
+    original = moe_utils.apply_router_token_dropping
+
+    def stable_topk(x, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
+
+    def dropping(probs, routing_map, **kw):
+        own = original(probs, routing_map, **kw)
+        topk, torch.topk = torch.topk, stable_topk
+        try:
+            stable = original(probs, routing_map, **kw)
+        finally:
+            torch.topk = topk
+        kept = stable[1] & routing_map
+        differs = not torch.equal(own[1] & routing_map, kept)
+        assert not (differs and kw["drop_policy"] == "probs"), "torch's top-k kept other slots among equal probs"
+        DROPS["routed"] += int(routing_map.sum())
+        DROPS["dropped"] += int(routing_map.sum() - kept.sum())
+        DROPS["torch_differs"] += int(differs)
+        return stable
+
+    router.apply_router_token_dropping = dropping
+
+
+def run_capacity(torch, name, g, out_dir):
+    """A token-dropping golden: written as the others, with slots really dropped; the same run with
+    --moe-pad-expert-input-to-capacity (the padded rows' probability 0) gives the same numbers."""
+    for k in DROPS:
+        DROPS[k] = 0
+    steps, blob = run(torch, name, g, out_dir)
+    assert DROPS["dropped"] > 0, f"{name}: no token was dropped"
+    print(f"{name}: {DROPS}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        padded, padded_blob = run(torch, name, dict(g, moe_pad_expert_input_to_capacity=True), tmp)
+    import numpy
+    a, b = numpy.frombuffer(blob, "<f4"), numpy.frombuffer(padded_blob, "<f4")
+    worst = float(numpy.max(numpy.abs(a - b) / numpy.maximum(numpy.abs(a), 1e-6)))
+    for mine, pad in zip(steps, padded):
+        for key in ("lm_loss", "grad_norm", "load_balancing_loss"):
+            assert abs(mine[key] - pad[key]) <= 1e-6 * max(1.0, abs(mine[key])), (name, key, mine[key], pad[key])
+    assert worst <= 1e-5, (name, "padding changed the tensors", worst)
+    print(f"{name}: padded to capacity, the largest relative difference {worst:.3g}", file=sys.stderr)
 
 
 def main():
@@ -251,8 +323,12 @@ def main():
         parallel_state.initialize_model_parallel(1, 1)
         mrandom.model_parallel_cuda_manual_seed(1234)
         names = sys.argv[2:] or list(GOLDENS)  # some of them: the others' files stay as they are
+        stable_token_dropping(torch)
         for name in names:
-            run(torch, name, GOLDENS[name], out_dir)
+            if "moe_expert_capacity_factor" in GOLDENS[name]:
+                run_capacity(torch, name, GOLDENS[name], out_dir)
+            else:
+                run(torch, name, GOLDENS[name], out_dir)
         dist.destroy_process_group()
 
 

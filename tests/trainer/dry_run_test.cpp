@@ -64,6 +64,20 @@ TEST(ActivationBytesPerLayer, CountsTheSharedExperts) {
   EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 2, 1, false, false, 2), swiglu + 0.5 * v * 3 * s * b * S);
 }
 
+// MoE layers: the experts' inputs k x sb rows of 2F (the layer's MLP), with a capacity factor at most E x capacity
+// rows: E = 8, k = 2, sb = 8192 tokens, F = 0.5 gives 8 x ceil(2048 x 0.5) = 8192 rows, half of the dropless 16384.
+TEST(ActivationBytesPerLayer, MoeLayersCountTheExpertsCapacity) {
+  GPTConfig c = Model(1, 4096, 32, 2048, 50257);
+  c.num_experts = 8;
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 1024;
+  const double sb = 2048 * 4, dense = ActivationBytesPerLayer(c, 4, 1, false, false, 2);
+  c.moe_expert_capacity_factor = 0.5;
+  EXPECT_DOUBLE_EQ(dense - ActivationBytesPerLayer(c, 4, 1, false, false, 2), 2.0 * 2 * (2 * sb - sb) * 1024);
+  c.moe_expert_capacity_factor = 3;  // above k x sb rows: the dropless count
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, false, false, 2), dense);
+}
+
 DryRunOptions Small() {
   DryRunOptions o;
   o.model = Model(4, 64, 8, 32, 1000);

@@ -122,6 +122,21 @@ TEST_F(EpTrainCli, ExpertRanksTrainAsDataRanksWithEveryExpertDo) {
   EXPECT_TRUE(std::filesystem::exists(dir_ / "ep4d4/iter_0000006/mp_rank_00_003/model_optim_rng.ptk"));
 }
 
+// Token dropping with expert ranks: each rank drops over capacity among its own tokens before the dispatch
+// (Megatron's router, as its allgather and alltoall dispatchers see it), so E = 2 trains as two data ranks with
+// every expert do; the drop changes the run (its losses not the dropless one's).
+TEST_F(EpTrainCli, ExpertRanksDropOverCapacityAsDataRanksDo) {
+  const std::string capacity = "--moe-expert-capacity-factor 0.5 --moe-token-drop-policy position ";
+  auto ref = Ranks(2, Train(capacity + "--save " + ShellQuote(dir_ / "ref")));
+  ASSERT_NE(ref.output.find(AllZero(2)), std::string::npos) << ref.output << Logs(2);
+  auto dropless = Ranks(2, Train("", 2));
+  ASSERT_NE(dropless.output.find(AllZero(2)), std::string::npos) << dropless.output << Logs(2);
+  ASSERT_FALSE(Field(dropless.output, "lm loss").empty()) << dropless.output;
+  EXPECT_NE(Field(dropless.output, "lm loss")[0], Field(ref.output, "lm loss").at(0));
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectSameTraining(2, capacity + "--expert-model-parallel-size 2", ref.output, "ep2", "capacity, D = 2 x E = 2"));
+}
+
 TEST_F(EpTrainCli, AStoppedRunResumesBitForBitAndLoadsAtOtherExpertSizes) {
   const std::string ep = "--expert-model-parallel-size 2";
   auto whole = Ranks(2, Train(ep + " --save " + ShellQuote(dir_ / "full")));

@@ -7,9 +7,9 @@
 // micro-batch and per token), group-limited routing (8 experts in 4 groups, softmax before and after the top
 // k, sigmoid) and the top-k scaling factor; shared experts (tests/support/gen_moe_shared_golden.py: GELU ones on
 // MoE, dense, MoE layers, gated SwiGLU ones on every layer); load balancing: the expert bias (its updates bit for
-// bit), seq_aux_loss and global_aux_loss. The layout (Megatron's names,
-// shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss and every gradient
-// within 1e-5 relative, and three optimizer steps' losses and the weights after them.
+// bit), seq_aux_loss and global_aux_loss; token dropping by capacity (probs and position policies). The layout
+// (Megatron's names, shapes and order of the MoE parameters), the first step's lm loss, grad norm, load_balancing_loss
+// and every gradient within 1e-5 relative, and three optimizer steps' losses and the weights after them.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -69,6 +69,11 @@ class MoeGolden : public ::testing::TestWithParam<std::string> {
     bool bias = false;
     c.moe_router_enable_expert_bias = !g_.meta["config"]["moe_router_enable_expert_bias"].get(bias) && bias;
     if (c.moe_router_enable_expert_bias) c.moe_router_bias_update_rate = Config("moe_router_bias_update_rate");
+    // Token dropping (the moe_capacity_* goldens; the others lack the keys: dropless).
+    double factor = -1;
+    if (!g_.meta["config"]["moe_expert_capacity_factor"].get(factor)) c.moe_expert_capacity_factor = factor;
+    std::string_view policy;
+    if (!g_.meta["config"]["moe_token_drop_policy"].get(policy)) c.moe_token_drop_position = policy == "position";
     config_ = c;
   }
   std::unique_ptr<CpuGPTModel> MakeModel() {
@@ -185,6 +190,37 @@ TEST_P(MoeGolden, TheRoutersGradientHoldsTheLoadBalancingLoss) {
   const ParamInfo* router = model->FindParam(fmt::format("decoder.layers.{}.mlp.router.weight", first));
   ASSERT_NE(router, nullptr);
   EXPECT_GT(RelError(model->grads() + router->offset, g_.Tensor<float>("grad:" + router->name)), 1e-3);
+}
+
+// Without the capacity the gradients differ from Megatron's (its tokens really dropped: the script asserts it).
+TEST_P(MoeGolden, TheDroppedTokensShowInTheGradients) {
+  if (config_.moe_expert_capacity_factor < 0) GTEST_SKIP() << "no capacity in " << GetParam();
+  config_.moe_expert_capacity_factor = -1;
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  auto r = step.ComputeGradients(batches_.Step(0), 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const ParamInfo* fc2 = model->FindParam("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight");
+  ASSERT_NE(fc2, nullptr);
+  EXPECT_GT(RelError(model->grads() + fc2->offset, g_.Tensor<float>("grad:" + fc2->name)), 1e-3);
+}
+
+// The activation plan (--dry-run's, the memory check's) counts at most each expert's capacity of rows: it bounds
+// what a pass holds and is below the dropless plan.
+TEST_P(MoeGolden, TheActivationPlanCountsTheCapacity) {
+  if (config_.moe_expert_capacity_factor < 0) GTEST_SKIP() << "no capacity in " << GetParam();
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), Optimizer(), Schedule(), comm.get());
+  ASSERT_TRUE(step.ComputeGradients(batches_.Step(0), 0).ok());
+  const int64_t mbs = g_.Int("micro_batch_size"), plan = CpuGPTModel::PlanActivationFloats(model->layout(), false, mbs);
+  EXPECT_LE(model->ActivationFloats(), plan);
+  GPTConfig dropless = config_;
+  dropless.moe_expert_capacity_factor = -1;
+  auto layout = ParamLayout::Create(dropless);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_LT(plan, CpuGPTModel::PlanActivationFloats(*layout, false, mbs));
 }
 
 TEST_P(MoeGolden, ThreeOptimizerStepsMatchMegatron) {
@@ -321,7 +357,8 @@ INSTANTIATE_TEST_SUITE_P(Megatron, MoeGolden,
                          ::testing::Values("moe_gelu", "moe_swiglu", "moe_sigmoid", "moe_per_token", "moe_zloss",
                                            "moe_zloss_per_token", "moe_groups", "moe_groups_softmax",
                                            "moe_groups_sigmoid", "moe_shared", "moe_shared_gate", "moe_expert_bias",
-                                           "moe_seq_aux", "moe_global_aux"));
+                                           "moe_seq_aux", "moe_global_aux", "moe_capacity_probs",
+                                           "moe_capacity_position"));
 
 }  // namespace
 }  // namespace ptk

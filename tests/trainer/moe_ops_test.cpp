@@ -3,7 +3,7 @@
 // load-balancing loss against Megatron's formula, and the backward of the router, dispatch,
 // experts and combine (with the load-balancing loss's gradient) against central finite
 // differences in double precision; the router z-loss, the top-k scaling factor and group-limited routing
-// likewise.
+// likewise; token dropping over the experts' capacity (moe_capacity_cpu.h).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/trainer/gradient_check.h"
+#include "trainer/cpu/moe_capacity_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 
 namespace ptk {
@@ -236,6 +237,104 @@ TEST(MoeOps, AnUnchosenExpertGetsNoGradient) {
   double sum0 = 0;
   for (int64_t i = 0; i < s.expert_floats(c); ++i) sum0 += std::abs(dwe[i]);
   EXPECT_GT(sum0, 0.0);
+}
+
+// Megatron's get_capacity: ceil((tokens x topk / experts) x factor) in Python's double arithmetic, where
+// (100 / 10) x 1.1 is 11 (100 x 1.1 / 10 would be 11.000000000000002, 12), (90 / 3) x 1.1 33 (not 34) and
+// (150 / 3) x 1.1 55.00000000000001 (56; 150 x 1.1 / 3 would be 55).
+TEST(MoeCapacity, TheCapacityIsMegatronsRounding) {
+  EXPECT_EQ(cpu::MoeExpertCapacity(16, 2, 4, 0.75), 6);
+  EXPECT_EQ(cpu::MoeExpertCapacity(16, 3, 4, 0.5), 6);
+  EXPECT_EQ(cpu::MoeExpertCapacity(16, 2, 4, 1.0), 8);
+  EXPECT_EQ(cpu::MoeExpertCapacity(5, 2, 4, 1.0), 3);  // 2.5 up
+  EXPECT_EQ(cpu::MoeExpertCapacity(50, 2, 10, 1.1), 11);
+  EXPECT_EQ(cpu::MoeExpertCapacity(45, 2, 3, 1.1), 33);
+  EXPECT_EQ(cpu::MoeExpertCapacity(75, 2, 3, 1.1), 56);
+  EXPECT_EQ(cpu::MoeExpertCapacity(16, 2, 4, 0.0), 0);
+}
+
+// Four rows, two samples of two positions: Megatron's tokens are [sequence, micro-batch], so rows 0, 1, 2, 3
+// are its tokens 0, 2, 1, 3.
+TEST(MoeCapacity, PolicyOrderAndTies) {
+  EXPECT_EQ(cpu::MegatronTokenIndex(1, 4, 2), 2);
+  EXPECT_EQ(cpu::MegatronTokenIndex(2, 4, 2), 1);
+  const std::vector<int32_t> expert = {0, 0, 0, 0};  // top-1, every token to expert 0
+  std::vector<uint8_t> dropped;
+  auto drop = [&](std::vector<double> prob, int64_t capacity, bool position, int64_t rows) {
+    EXPECT_EQ(cpu::MoeDropOverCapacity(&dropped, prob.data(), expert.data(), 4, 1, 2, capacity, position, rows),
+              std::max<int64_t>(0, 4 - capacity));
+    return dropped;
+  };
+  using D = std::vector<uint8_t>;
+  // position: the earliest Megatron tokens (rows 0 and 2), whatever the probabilities.
+  EXPECT_EQ(drop({0.1, 0.9, 0.2, 0.9}, 2, true, 2), (D{0, 1, 0, 1}));
+  EXPECT_EQ(drop({0.1, 0.9, 0.2, 0.9}, 2, true, 4), (D{0, 0, 1, 1}));  // one sample: row order
+  // probs: the largest; among equal ones the earlier Megatron token (row 2, token 1, before row 1, token 2).
+  EXPECT_EQ(drop({0.1, 0.9, 0.2, 0.9}, 2, false, 2), (D{1, 0, 1, 0}));
+  EXPECT_EQ(drop({0.9, 0.5, 0.5, 0.5}, 2, false, 2), (D{0, 1, 0, 1}));
+  EXPECT_EQ(drop({0.9, 0.5, 0.5, 0.5}, 3, false, 2), (D{0, 0, 0, 1}));
+  // A capacity of all the tokens keeps them all (Megatron's expert_capacity > num_tokens, and at equality its
+  // top-k takes every token); 0 drops every slot.
+  EXPECT_EQ(drop({0.1, 0.9, 0.2, 0.9}, 4, false, 2), (D{0, 0, 0, 0}));
+  EXPECT_EQ(drop({0.1, 0.9, 0.2, 0.9}, 0, true, 2), (D{1, 1, 1, 1}));
+}
+
+// With a capacity factor the router sends each expert at most its capacity, the dropped slots to none (the
+// token's output the kept slots' alone); the load-balancing loss counts the routing before the drop; the
+// layer's gradients (the dropped probabilities' zero, the kept ones' still through every chosen logit) hold
+// against finite differences.
+TEST(MoeCapacity, TheRouterDropsOverCapacityAndTheGradientsHold) {
+  const int64_t n = 7, c = 5;
+  MoeSettings s;
+  s.experts = 4;
+  s.ffn = 3;
+  auto x = Random(n * c, 51), w = Random(s.experts * c, 52, 2.0), we = Random(s.experts * s.expert_floats(c), 53);
+  for (int score : {0, 1, 2})
+    for (int64_t k : {1, 2, 3})
+      for (bool position : {false, true}) {
+        s.pre_softmax = score == 1;
+        s.sigmoid = score == 2;
+        s.topk = k;
+        s.drop_by_position = position;
+        SCOPED_TRACE(::testing::Message() << "score " << score << " topk " << k << " position " << position);
+        MoeActivations<double> plain, a;
+        s.capacity_factor = -1;
+        cpu::MoeRouterForward(&plain, x.data(), w.data(), n, c, s);
+        s.capacity_factor = 0.5;
+        cpu::MoeRouterForward(&a, x.data(), w.data(), n, c, s);
+        const int64_t capacity = cpu::MoeExpertCapacity(n, k, s.experts, 0.5);
+        std::vector<uint8_t> want;
+        const int64_t drops =
+            cpu::MoeDropOverCapacity(&want, a.prob.data(), a.expert.data(), n, k, s.experts, capacity, position, n);
+        EXPECT_GT(drops, 0);
+        EXPECT_EQ(a.dropped, want);
+        EXPECT_EQ(a.expert, plain.expert);
+        EXPECT_EQ(a.prob, plain.prob);  // the kept probabilities are the router's
+        EXPECT_EQ(a.begin[s.experts], n * k - drops);
+        for (int64_t e = 0; e < s.experts; ++e) {
+          EXPECT_LE(a.begin[e + 1] - a.begin[e], capacity);
+          EXPECT_EQ(a.AuxCount(e), static_cast<double>(plain.begin[e + 1] - plain.begin[e]));
+          for (int64_t r = a.begin[e]; r < a.begin[e + 1]; ++r) EXPECT_EQ(a.dropped[a.order[r]], 0);
+        }
+        EXPECT_EQ(cpu::MoeAuxLoss(a, s), cpu::MoeAuxLoss(plain, s));
+        // A token's output: its kept slots' alone (one whose every slot is dropped gets 0).
+        std::vector<double> out(n * c), all(n * c);
+        cpu::MoeExpertsForward(out.data(), &a, we.data(), c, s);
+        cpu::MoeExpertsForward(all.data(), &plain, we.data(), c, s);
+        for (int64_t i = 0; i < n; ++i) {
+          bool any = false, every = true;
+          for (int64_t j = 0; j < k; ++j) any |= a.dropped[i * k + j] != 0, every &= a.dropped[i * k + j] != 0;
+          for (int64_t j = 0; j < c; ++j) {
+            if (every) {
+              EXPECT_EQ(out[i * c + j], 0.0) << "token " << i;
+            }
+            if (!any) {
+              EXPECT_NEAR(out[i * c + j], all[i * c + j], 1e-14) << "token " << i;
+            }
+          }
+        }
+        CheckLayerGradients(s, 0.37, 0.5);
+      }
 }
 
 }  // namespace

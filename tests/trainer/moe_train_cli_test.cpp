@@ -3,8 +3,8 @@
 // taken by --use-checkpoint-args) and refuse other MoE flags as another model, ptk-convert's refusal,
 // data parallelism (plain, --use-distributed-optimizer and --overlap-grad-reduce, ranks as processes
 // over loopback gloo), pipeline stages (1F1B, interleaved, with data ranks), context ranks, --dry-run's
-// parameter count against megatron-core's (the golden's tensors) and per stage, and every feature and
-// combination not implemented refused in one line naming it.
+// parameter count against megatron-core's (the golden's tensors) and per stage, token dropping by capacity, and
+// every feature and combination not implemented refused in one line naming it.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -507,6 +507,47 @@ TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
       << sh.output;
 }
 
+// Token dropping end to end: each policy trains (its losses not the dropless run's, nor the other policy's),
+// padding to capacity changes nothing, a stopped run resumes bit for bit, and the flags without a capacity
+// factor are noted as changing nothing (as Megatron).
+TEST_F(MoeTrainCli, TokenDroppingTrainsResumesAndPaddingChangesNothing) {
+  const std::string probs = " --moe-expert-capacity-factor 0.5", position = probs + " --moe-token-drop-policy position";
+  auto dropless = RunCmd(Train("", 3));
+  auto by_probs = RunCmd(Train(probs, 3));
+  auto by_position = RunCmd(Train(position + " --save " + ShellQuote(dir_ / "full")));
+  auto padded = RunCmd(Train(probs + " --moe-pad-expert-input-to-capacity", 3));
+  for (const auto* r : {&dropless, &by_probs, &by_position, &padded}) ASSERT_EQ(r->exit_code, 0) << r->output;
+  const auto l0 = testing::LossesOf(dropless.output), l1 = testing::LossesOf(by_probs.output),
+             l2 = testing::LossesOf(by_position.output);
+  ASSERT_EQ(l0.size(), 3u) << dropless.output;
+  ASSERT_EQ(l1.size(), 3u) << by_probs.output;
+  ASSERT_EQ(l2.size(), 6u) << by_position.output;
+  EXPECT_NE(l0[0].second, l1[0].second);  // the first step's forward already drops
+  EXPECT_NE(l1[0].second, l2[0].second);
+  EXPECT_NE(l0[0].second, l2[0].second);
+  EXPECT_EQ(testing::LogLinesWithoutTimes(padded.output), testing::LogLinesWithoutTimes(by_probs.output));
+  EXPECT_NE(padded.output.find("note: --moe-pad-expert-input-to-capacity: accepted, layout only"), std::string::npos)
+      << padded.output;
+  auto first = RunCmd(Train(position + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train(position + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto a = testing::LogLinesWithoutTimes(by_position.output);
+  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  auto noted = RunCmd(Train(" --moe-token-drop-policy position", 3));
+  ASSERT_EQ(noted.exit_code, 0) << noted.output;
+  EXPECT_NE(noted.output.find("note: --moe-token-drop-policy position: accepted, no effect without "
+                              "--moe-expert-capacity-factor"),
+            std::string::npos)
+      << noted.output;
+  EXPECT_EQ(testing::LossesOf(noted.output), l0);
+  auto negative = RunCmd(Train(" --moe-expert-capacity-factor -1", 3));
+  ASSERT_EQ(negative.exit_code, 0) << negative.output;
+  EXPECT_NE(negative.output.find("note: --moe-expert-capacity-factor -1: below 0, no capacity"), std::string::npos)
+      << negative.output;
+  EXPECT_EQ(testing::LossesOf(negative.output), l0);
+}
+
 TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   const std::string base = testing::Tool("ptk-train") +
                            " --num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
@@ -537,14 +578,21 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
        "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
-      {moe + " --moe-expert-capacity-factor 1.0",
-       "usage error: --moe-expert-capacity-factor 1.0: this "
-       "mixture-of-experts feature is not implemented"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap",
        "usage error: --moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (the default): Megatron's "
        "overlap works only with the alltoall dispatcher"},
       {moe + " --moe-shared-expert-intermediate-size 0", "--moe-shared-expert-intermediate-size"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --device cuda",
+       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
+      {moe + " --moe-pad-expert-input-to-capacity",
+       "usage error: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"},
+      {moe + " --moe-expert-capacity-factor -1 --moe-pad-expert-input-to-capacity",
+       "usage error: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"},
+      {moe + " --moe-expert-capacity-factor 1 --moe-token-drop-policy random",
+       "usage error: --moe-token-drop-policy random: probs or position"},
+      {moe + " --moe-expert-capacity-factor many", "--moe-expert-capacity-factor"},
+      {moe + " --moe-expert-capacity-factor nan", "--moe-expert-capacity-factor"},
+      {moe + " --moe-expert-capacity-factor 1 --device cuda",
        "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --moe-router-group-topk 2",
        "usage error: --moe-router-group-topk 2 needs --moe-router-num-groups (as Megatron's TransformerConfig)"},

@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/moe_capacity_cpu.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/parallel_layout.h"
 
@@ -318,7 +319,13 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   for (int64_t l = l0; l < std::min(l1, L); ++l)  // what MoeActivations holds after a pass (moe_cpu.cpp's sizes)
     if (layout.layers[static_cast<size_t>(l)].router_w >= 0) {
       const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn(), fm1 = (cf.swiglu ? 2 : 1) * fm;
-      floats += 3 * n * E + 4 * n * K + E + 1 + n * K * (4 * c + 2 * fm1 + 3 * fm);  // integers counted as floats
+      // With a capacity factor at most capacity rows per expert reach the experts, and the drop marks (bytes)
+      // count a quarter float each.
+      const bool drop = cf.moe_expert_capacity_factor >= 0;
+      const int64_t rows_e =
+          drop ? std::min(n * K, E * cpu::MoeExpertCapacity(n, K, E, cf.moe_expert_capacity_factor)) : n * K;
+      floats += 3 * n * E + 3 * n * K + rows_e + E + 1 + rows_e * (4 * c + 2 * fm1 + 3 * fm) +
+                (drop ? (n * K + 3) / 4 : 0);  // integers counted as floats
       if (cf.moe_shared_expert_intermediate_size > 0)
         floats += cpu::SharedExpertActivationFloats(cpu_model_detail::SharedExpertSettingsOf(cf), n, c);
     }
@@ -361,6 +368,7 @@ int64_t CpuGPTModel::ActivationFloats() const {
                           &m.dfc1, &m.dx, &m.dprob, &m.dlogits})
       floats += static_cast<int64_t>(v->size());
     floats += static_cast<int64_t>(m.expert.size() + m.order.size() + m.begin.size());
+    floats += static_cast<int64_t>((m.dropped.size() + 3) / 4);
   }
   for (const cpu::SharedExpertActivations<float>& m : a.shared) floats += m.Floats();
   for (const cpu::MlaActivations<float>& m : a.mla)

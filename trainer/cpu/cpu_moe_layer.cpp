@@ -5,6 +5,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/core.h>
+
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -23,6 +25,8 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf) {
   s.scaling = cf.moe_router_topk_scaling_factor;
   s.groups = cf.moe_router_num_groups;
   s.group_topk = cf.moe_router_group_topk;
+  s.capacity_factor = cf.moe_expert_capacity_factor;
+  s.drop_by_position = cf.moe_token_drop_position;
   s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
                  : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
                  : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact
@@ -36,6 +40,9 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   Activations& a = *act_;
   cpu::MoeSettings s = MoeSettingsOf(cf);
   if (cf.moe_router_enable_expert_bias) s.expert_bias = BalanceOf(l).expert_bias.data();
+  s.sample_rows = cf.seq_length / (cp() ? context_comm_->size() : 1);  // this rank's positions of a sample
+  if (n % s.sample_rows != 0)
+    return absl::InternalError(fmt::format("MoE layer {}: {} rows are not samples of {}", l, n, s.sample_rows));
   cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
   const float* P = params_.data();
   cpu::MoeRouterForward(&m, a.ln2[l].data(), P + lp.router_w, n, cf.hidden_size, s);

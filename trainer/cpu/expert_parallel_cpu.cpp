@@ -62,7 +62,9 @@ absl::Status ExpertParallelForward(float* out, MoeActivations<float>* mine, MoeA
   float* own = buf->data() + me * piece;
   std::copy_n(x, n * c, own);
   std::copy_n(mine->prob.data(), n * K, own + n * c);
-  for (int64_t i = 0; i < n * K; ++i) own[n * c + n * K + i] = static_cast<float>(mine->expert[i]);
+  for (int64_t i = 0; i < n * K; ++i)  // a slot dropped over capacity goes to no rank (-1)
+    own[n * c + n * K + i] =
+        mine->dropped.empty() || mine->dropped[i] == 0 ? static_cast<float>(mine->expert[i]) : -1.0f;
   const std::vector<int64_t> bytes(static_cast<size_t>(size), piece * static_cast<int64_t>(sizeof(float)));
   PTK_RETURN_IF_ERROR(expert->AllGather(buf->data(), bytes));
   const MoeSettings local = LocalSettings(s, size);

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "common/status.h"
+#include "trainer/cpu/moe_capacity_cpu.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
@@ -96,11 +97,14 @@ template <typename T>
 void Dispatch(MoeActivations<T>* a, const MoeSettings& s) {
   const int64_t n = a->n, E = s.experts, K = s.topk;
   a->begin.assign(static_cast<size_t>(E + 1), 0);
-  for (int64_t i = 0; i < n * K; ++i) ++a->begin[static_cast<size_t>(a->expert[i] + 1)];
+  auto sent = [&](int64_t i) { return a->dropped.empty() || a->dropped[static_cast<size_t>(i)] == 0; };
+  for (int64_t i = 0; i < n * K; ++i)
+    if (sent(i)) ++a->begin[static_cast<size_t>(a->expert[i] + 1)];
   for (int64_t e = 0; e < E; ++e) a->begin[e + 1] += a->begin[e];
   std::vector<int64_t> next(a->begin.begin(), a->begin.end() - 1);
-  a->order.resize(static_cast<size_t>(n * K));
-  for (int64_t i = 0; i < n * K; ++i) a->order[next[a->expert[i]]++] = i;
+  a->order.resize(static_cast<size_t>(a->begin[E]));
+  for (int64_t i = 0; i < n * K; ++i)
+    if (sent(i)) a->order[next[a->expert[i]]++] = i;
 }
 
 // Token i's routing under the sigmoid score function (MoeSettings::sigmoid).
@@ -157,6 +161,23 @@ void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T
   for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
 }
 
+// With a capacity factor: the slots over each expert's capacity marked in a->dropped; the load-balancing loss
+// then counts the routing before the drop (group_count, unless group-limited routing filled it already).
+template <typename T>
+void DropOverCapacity(MoeActivations<T>* a, const MoeSettings& s) {
+  a->dropped.clear();
+  if (s.capacity_factor < 0) return;
+  const int64_t n = a->n, E = s.experts, K = s.topk;
+  const int64_t capacity = MoeExpertCapacity(n, K, E, s.capacity_factor);
+  if (MoeDropOverCapacity(&a->dropped, a->prob.data(), a->expert.data(), n, K, E, capacity, s.drop_by_position,
+                          s.sample_rows > 0 ? s.sample_rows : n) == 0 ||
+      !a->group_count.empty())
+    return;
+  a->group_count.assign(static_cast<size_t>(E), 0.0);
+  a->group_n = static_cast<double>(n);
+  for (int64_t i = 0; i < n * K; ++i) a->group_count[static_cast<size_t>(a->expert[i])] += 1;
+}
+
 }  // namespace
 
 template <typename T>
@@ -203,9 +224,10 @@ void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64
       for (int64_t k = 0; k < K; ++k) a->group_count[static_cast<size_t>(top[k])] += 1;
     }
   }
+  DropOverCapacity(a, s);
   Dispatch(a, s);
-  a->x.resize(static_cast<size_t>(n * K * c));
-  for (int64_t r = 0; r < n * K; ++r) std::copy_n(x + a->order[r] / K * c, c, a->x.data() + r * c);
+  a->x.resize(static_cast<size_t>(a->begin[E] * c));
+  for (int64_t r = 0; r < a->begin[E]; ++r) std::copy_n(x + a->order[r] / K * c, c, a->x.data() + r * c);
 }
 
 template <typename T>

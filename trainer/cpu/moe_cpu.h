@@ -36,6 +36,12 @@ struct MoeSettings {
   // not to the probabilities; the load-balancing losses then count each token's plain top-k. Null: none.
   const float* expert_bias = nullptr;
   MlpActivation activation = MlpActivation::kGelu;
+  // Megatron's --moe-expert-capacity-factor (below 0: none, dropless) and --moe-token-drop-policy position
+  // (false: probs): the slots over each expert's capacity dropped (moe_capacity_cpu.h); sample_rows: each
+  // sample's positions among the router's rows (0: all of them, one sample), Megatron's token order.
+  double capacity_factor = -1;
+  bool drop_by_position = false;
+  int64_t sample_rows = 0;
   int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
   // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
   int64_t expert_floats(int64_t c) const { return fc1_rows() * c + c * ffn; }
@@ -53,6 +59,7 @@ struct MoeActivations {
   // The n·K rows sent to the experts: row r is slot order[r] (token order[r] / K), expert e's rows
   // [begin[e], begin[e + 1]) in token order.
   std::vector<int64_t> order, begin;
+  std::vector<uint8_t> dropped;        // (n, K) with a capacity: the slots over it (1), sent to no expert; else empty
   std::vector<T> x, fc1, act, scaled;  // per row: the input (c), fc1's output, the activation, x prob
   std::vector<T> out, dout, dact, dfc1, dx, dprob, dlogits;  // per row scratch, and (n, K), (n, E) gradients
   // Context parallelism: the tokens each expert got over the context group's ranks (E of them) and the group's
