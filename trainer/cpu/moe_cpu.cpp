@@ -71,27 +71,6 @@ void Choose(int32_t* idx, const T* v, const MoeSettings& s) {
   TopK(idx, masked.data(), E, K);
 }
 
-template <typename T>
-void ActivationForward(MlpActivation act, T* out, const T* in, int64_t rows, int64_t f) {
-  switch (act) {
-    case MlpActivation::kSwiglu: return SwigluForward(out, in, rows, f);
-    case MlpActivation::kSquaredRelu: return SquaredReluForward(out, in, rows * f);
-    case MlpActivation::kGeluExact: return GeluExactForward(out, in, rows * f);
-    case MlpActivation::kGelu: return GeluForward(out, in, rows * f);
-  }
-}
-
-// din (rows, fc1 width) assigned from dout (rows, f).
-template <typename T>
-void ActivationBackward(MlpActivation act, T* din, const T* in, const T* dout, int64_t rows, int64_t f) {
-  switch (act) {
-    case MlpActivation::kSwiglu: return SwigluBackward(din, in, dout, rows, f);
-    case MlpActivation::kSquaredRelu: return SquaredReluBackward(din, in, dout, rows * f);
-    case MlpActivation::kGeluExact: return GeluExactBackward(din, in, dout, rows * f);
-    case MlpActivation::kGelu: return GeluBackward(din, in, dout, rows * f);
-  }
-}
-
 // The tokens sent to each expert in token order (Megatron's permute by the routing map).
 template <typename T>
 void Dispatch(MoeActivations<T>* a, const MoeSettings& s) {
@@ -181,6 +160,26 @@ void DropOverCapacity(MoeActivations<T>* a, const MoeSettings& s) {
 }  // namespace
 
 template <typename T>
+void MlpActivationForward(MlpActivation act, T* out, const T* in, int64_t rows, int64_t f) {
+  switch (act) {
+    case MlpActivation::kSwiglu: return SwigluForward(out, in, rows, f);
+    case MlpActivation::kSquaredRelu: return SquaredReluForward(out, in, rows * f);
+    case MlpActivation::kGeluExact: return GeluExactForward(out, in, rows * f);
+    case MlpActivation::kGelu: return GeluForward(out, in, rows * f);
+  }
+}
+
+template <typename T>
+void MlpActivationBackward(MlpActivation act, T* din, const T* in, const T* dout, int64_t rows, int64_t f) {
+  switch (act) {
+    case MlpActivation::kSwiglu: return SwigluBackward(din, in, dout, rows, f);
+    case MlpActivation::kSquaredRelu: return SquaredReluBackward(din, in, dout, rows * f);
+    case MlpActivation::kGeluExact: return GeluExactBackward(din, in, dout, rows * f);
+    case MlpActivation::kGelu: return GeluBackward(din, in, dout, rows * f);
+  }
+}
+
+template <typename T>
 void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64_t n, int64_t c, const MoeSettings& s) {
   const int64_t E = s.experts, K = s.topk;
   PTK_CHECK(E >= 1 && K >= 1 && K <= E);
@@ -267,7 +266,7 @@ void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t
     const T* w1 = w_experts + e * s.expert_floats(c);
     const T* w2 = w1 + f1 * c;
     MatmulForward(a->fc1.data() + r0 * f1, a->x.data() + r0 * c, w1, static_cast<const T*>(nullptr), ne, c, f1);
-    ActivationForward(s.activation, a->act.data() + r0 * f, a->fc1.data() + r0 * f1, ne, f);
+    MlpActivationForward(s.activation, a->act.data() + r0 * f, a->fc1.data() + r0 * f1, ne, f);
     for (int64_t r = r0; r < r0 + ne; ++r) {
       const T p = a->prob[a->order[r]];
       for (int64_t j = 0; j < f; ++j) a->scaled[r * f + j] = a->act[r * f + j] * p;
@@ -360,7 +359,7 @@ void MoeExpertsBackward(T* dx, T* dw_experts, const T* dout, MoeActivations<T>* 
       a->dprob[slot] = dp;
       for (int64_t j = 0; j < f; ++j) a->dact[r * f + j] *= a->prob[slot];
     }
-    ActivationBackward(s.activation, a->dfc1.data() + r0 * f1, a->fc1.data() + r0 * f1, dscaled, ne, f);
+    MlpActivationBackward(s.activation, a->dfc1.data() + r0 * f1, a->fc1.data() + r0 * f1, dscaled, ne, f);
     MatmulBackward(a->dx.data() + r0 * c, dw1, static_cast<T*>(nullptr), a->dfc1.data() + r0 * f1, a->x.data() + r0 * c,
                    w1, ne, c, f1);
   }
@@ -402,5 +401,12 @@ PTK_INSTANTIATE(double)
 PTK_INSTANTIATE_HALVES(float)
 PTK_INSTANTIATE_HALVES(double)
 #undef PTK_INSTANTIATE_HALVES
+
+#define PTK_INSTANTIATE_ACTIVATION(T)                                                   \
+  template void MlpActivationForward<T>(MlpActivation, T*, const T*, int64_t, int64_t); \
+  template void MlpActivationBackward<T>(MlpActivation, T*, const T*, const T*, int64_t, int64_t);
+PTK_INSTANTIATE_ACTIVATION(float)
+PTK_INSTANTIATE_ACTIVATION(double)
+#undef PTK_INSTANTIATE_ACTIVATION
 
 }  // namespace ptk::cpu

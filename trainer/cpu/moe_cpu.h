@@ -84,6 +84,13 @@ struct MoeActivations {
   }
 };
 
+// An expert MLP's activation (the experts' and the shared experts'): out (rows, f) from fc1's output in (rows, fc1
+// width: 2f under SwiGLU), and its backward: din (rows, fc1 width) assigned from dout (rows, f).
+template <typename T>
+void MlpActivationForward(MlpActivation act, T* out, const T* in, int64_t rows, int64_t f);
+template <typename T>
+void MlpActivationBackward(MlpActivation act, T* din, const T* in, const T* dout, int64_t rows, int64_t f);
+
 // The router and the dispatch: `a` sized and filled from x (n, c) and the router's weight (E, c).
 template <typename T>
 void MoeRouterForward(MoeActivations<T>* a, const T* x, const T* w_router, int64_t n, int64_t c, const MoeSettings& s);

@@ -8,30 +8,6 @@
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
-namespace {
-
-template <typename T>
-void Activate(MlpActivation act, T* out, const T* in, int64_t rows, int64_t f) {
-  switch (act) {
-    case MlpActivation::kSwiglu: return SwigluForward(out, in, rows, f);
-    case MlpActivation::kSquaredRelu: return SquaredReluForward(out, in, rows * f);
-    case MlpActivation::kGeluExact: return GeluExactForward(out, in, rows * f);
-    case MlpActivation::kGelu: return GeluForward(out, in, rows * f);
-  }
-}
-
-// din (rows, fc1 width) assigned from dout (rows, f).
-template <typename T>
-void ActivateBackward(MlpActivation act, T* din, const T* in, const T* dout, int64_t rows, int64_t f) {
-  switch (act) {
-    case MlpActivation::kSwiglu: return SwigluBackward(din, in, dout, rows, f);
-    case MlpActivation::kSquaredRelu: return SquaredReluBackward(din, in, dout, rows * f);
-    case MlpActivation::kGeluExact: return GeluExactBackward(din, in, dout, rows * f);
-    case MlpActivation::kGelu: return GeluBackward(din, in, dout, rows * f);
-  }
-}
-
-}  // namespace
 
 int64_t SharedExpertActivationFloats(const SharedExpertSettings& s, int64_t n, int64_t c) {
   const int64_t gated = s.gate ? 2 * (n * c + n) : 0;  // out, gate, dout, dgate
@@ -46,7 +22,7 @@ void SharedExpertForward(T* out, SharedExpertActivations<T>* a, const T* x, cons
   a->fc1.resize(static_cast<size_t>(n * f1));
   a->act.resize(static_cast<size_t>(n * f));
   MatmulForward(a->fc1.data(), x, w_fc1, static_cast<const T*>(nullptr), n, c, f1);
-  Activate(s.activation, a->act.data(), a->fc1.data(), n, f);
+  MlpActivationForward(s.activation, a->act.data(), a->fc1.data(), n, f);
   if (!s.gate) {
     a->out.clear();
     a->gate.clear();
@@ -90,7 +66,7 @@ void SharedExpertBackward(T* dx, T* dw_fc1, T* dw_fc2, T* dw_gate, const T* dout
   a->dact.assign(static_cast<size_t>(n * f), T{0});
   a->dfc1.resize(static_cast<size_t>(n * f1));
   MatmulBackward(a->dact.data(), dw_fc2, static_cast<T*>(nullptr), dy, a->act.data(), w_fc2, n, f, c);
-  ActivateBackward(s.activation, a->dfc1.data(), a->fc1.data(), a->dact.data(), n, f);
+  MlpActivationBackward(s.activation, a->dfc1.data(), a->fc1.data(), a->dact.data(), n, f);
   MatmulBackward(dx, dw_fc1, static_cast<T*>(nullptr), a->dfc1.data(), x, w_fc1, n, c, f1);
 }
 
