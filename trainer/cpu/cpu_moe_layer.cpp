@@ -40,7 +40,7 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, int64_
   Activations& a = *act_;
   cpu::MoeSettings s = MoeSettingsOf(cf);
   if (cf.moe_router_enable_expert_bias) s.expert_bias = BalanceOf(l).expert_bias.data();
-  s.sample_rows = cf.seq_length / (cp() ? context_comm_->size() : 1);  // this rank's positions of a sample
+  s.sample_rows = a.t;  // this rank's positions of a sample (the pass's: an evaluation may be shorter than seq_length)
   if (n % s.sample_rows != 0)
     return absl::InternalError(fmt::format("MoE layer {}: {} rows are not samples of {}", l, n, s.sample_rows));
   cpu::MoeActivations<float>& m = a.moe[static_cast<size_t>(l)];
