@@ -191,8 +191,9 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
   }
   for (auto [name, field] : {std::pair{"--moe-router-num-groups", &f->moe.num_groups},
                              {"--moe-router-group-topk", &f->moe.group_topk},
-                             {"--moe-shared-expert-intermediate-size", &f->moe.shared_expert_size}})
-    if (flag == name) {  // empty: no group-limited routing (no shared experts)
+                             {"--moe-shared-expert-intermediate-size", &f->moe.shared_expert_size},
+                             {"--mtp-num-layers", &f->mtp.num_layers}})
+    if (flag == name) {  // empty: no group-limited routing (no shared experts, no MTP depths)
       int64_t v = 0;
       if (!value.empty()) PTK_RETURN_IF_ERROR(as_int(&v));
       *field = value.empty() ? std::nullopt : std::optional<int64_t>(v);

@@ -83,6 +83,8 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--rotary-scaling-factor",
     "--mscale",
     "--mscale-all-dim",
+    // A multi-token prediction checkpoint's depth count (its loss factor is a training setting, not taken).
+    "--mtp-num-layers",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
 // one the command line gives. The others (Megatron's shape flags, which it takes only where the

@@ -99,6 +99,12 @@ TEST_F(MtpTrainCli, AStoppedRunResumesBitForBit) {
   auto r = RunCmd(plain);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("--mtp-num-layers"), std::string::npos) << r.output;
+  // --use-checkpoint-args takes the depths from the checkpoint: the same resume.
+  const std::string taken = std::regex_replace(Train("--use-checkpoint-args --load " + ShellQuote(dir_ / "ck")),
+                                               std::regex(" --mtp-num-layers 2"), "");
+  auto t = RunCmd(taken);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(t.output), b);
 }
 
 TEST_F(MtpTrainCli, TwoDataRanksTrainAsOneRankDoes) {
