@@ -15,10 +15,6 @@ absl::Status ValidateMtpConfig(const GPTConfig& c) {
   if (c.mtp_num_layers == 0) return absl::OkStatus();
   if (!(c.mtp_loss_scaling_factor >= 0 && std::isfinite(c.mtp_loss_scaling_factor)))
     return bad(fmt::format("mtp_loss_scaling_factor {}: must be at least 0", c.mtp_loss_scaling_factor));
-  if (c.num_experts > 0 || c.multi_latent_attention)
-    return bad(
-        "mtp_num_layers with num_experts or multi_latent_attention: multi-token prediction is implemented for dense "
-        "layers with standard attention only");
   return absl::OkStatus();
 }
 

@@ -230,6 +230,9 @@ void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, AddIf& a
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
                                                 const PipelineStage& stage, int expert_size, int expert_rank) {
   if (expert_size != 1 || expert_rank != 0) {
+    if (config.mtp_num_layers > 0)  // CutExperts cuts the decoder's layers only
+      return absl::InvalidArgumentError(fmt::format(
+          "mtp_num_layers with {} expert ranks: multi-token prediction runs on one expert rank", expert_size));
     PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
     return CutExperts(all, expert_size, expert_rank);
   }
@@ -370,7 +373,8 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, one);
     lp.ln2_b = add_if(ln, p + "pre_mlp_layernorm.bias", std::vector<int64_t>{c}, 0.0);
-    if (config.moe_layer(l)) {  // Megatron's MoELayer: its router, then SequentialMLP's experts
+    // A depth's layer is of the decoder's last layer's spec (get_gpt_mtp_block_spec): MoE when that one is.
+    if (config.moe_layer(std::min(l, L - 1))) {  // Megatron's MoELayer: its router, then SequentialMLP's experts
       const int64_t fm = config.moe_ffn(), fm1 = (config.swiglu ? 2 : 1) * fm;
       lp.router_w = add(p + "mlp.router.weight", {config.num_experts, c}, std);
       for (int64_t j = 0; j < config.num_experts; ++j) {
@@ -389,7 +393,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
         lp.shared_fc2 = add(e + "linear_fc2.weight", {c, fs}, out_std);
       }
       lp.fc1_w = lp.fc1_b = lp.fc2_w = lp.fc2_b = -1;
-      m.layers.push_back(lp);
+      if (l >= L)
+        m.mtp.back().layer = lp;
+      else
+        m.layers.push_back(lp);
       continue;
     }
     lp.fc1_w = add(p + "mlp.linear_fc1.weight", {fc1_t, c}, std, 0.0f, 0, fc1_chunks);

@@ -115,22 +115,25 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.loss_sum = local[0];
   r.tokens = local[1];
   // Megatron's track_moe_metrics: each layer's sum over the micro-batches over their number,
-  // averaged over the data ranks, the layers' sum over the MoE layers.
+  // averaged over the data ranks, the layers' sum over the MoE layers (of --moe-layer-freq's pattern, plus the
+  // multi-token prediction depths, MoE or not: Megatron-LM's training_log passes mtp_num_layers).
   if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_aux_loss_coeff > 0) {
     const int context = context_ ? context_->size() : 1;
     r.load_balancing_loss = local[2] / (static_cast<double>(micro_batches.size()) * (comm_->size() / context) *
-                                        static_cast<double>(cf.moe_layers()));
+                                        static_cast<double>(cf.moe_layers() + cf.mtp_num_layers));
   }
   // seq_load_balancing_loss as load_balancing_loss (summed over the context ranks, averaged over the data ranks);
   // global_load_balancing_loss's group holds the data ranks: summed over them, not averaged.
   if (const GPTConfig& cf = model_->config(); cf.moe()) {
-    const double per = static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers());
+    const double per =
+        static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers() + cf.mtp_num_layers);
     const int context = context_ ? context_->size() : 1;
     if (cf.moe_seq_aux_loss_coeff > 0) r.seq_load_balancing_loss = local[4] / (per * (comm_->size() / context));
     if (cf.moe_global_aux_loss_coeff > 0) r.global_load_balancing_loss = local[5] / per;
   }
   if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_z_loss_coeff > 0)
-    r.z_loss = local[3] / (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers()));
+    r.z_loss = local[3] /
+               (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers() + cf.mtp_num_layers));
   if (!losses.mtp_losses.empty()) {  // MTPLossLoggingHelper: averaged over the data ranks, then the micro-batches
     r.mtp_losses = losses.mtp_losses;
     PTK_RETURN_IF_ERROR(comm_->AllReduceSum(r.mtp_losses.data(), static_cast<int64_t>(r.mtp_losses.size())));

@@ -159,7 +159,8 @@ TEST(MtpModel, OtherBackendsAndLayoutsAreRefused) {
   GPTConfig moe = c;
   moe.add_bias_linear = false;
   moe.num_experts = 2;
-  EXPECT_FALSE(ParamLayout::Create(moe).ok());
+  EXPECT_TRUE(ParamLayout::Create(moe).ok());  // MoE depths: mtp_moe_golden_test
+  EXPECT_FALSE(ParamLayout::Create(moe, 1, 0, PipelineStage{}, /*expert_size=*/2, 0).ok());
   c.mtp_num_layers = -1;
   EXPECT_FALSE(ParamLayout::Create(c).ok());
 }

@@ -169,6 +169,11 @@ class CpuGPTModel final : public GPTModel {
   absl::Status MoeBalanceForward(int64_t l, cpu::MoeActivations<float>* m, const cpu::MoeSettings& s);
   // Megatron's names of the expert biases, by layer (empty where a layer has none).
   std::string ExpertBiasName(int64_t l) const;
+  // The layers with balance state: the stage's, then the multi-token prediction depths' (index layers + k), and
+  // layer l's router (-1: dense). moe_layer_offset_: a depth's pass's index of its layer 0 (MtpSwap's).
+  int64_t BalanceLayers() const;
+  int64_t RouterOf(int64_t l) const;
+  int64_t moe_layer_offset_ = 0;
   // A multi-latent attention layer's projections (cpu_mla_layer.cpp): act_->qkv[l] (the core attention's
   // per-head query, key and value) from act_->ln1[l]; backward from act_->dqkv, ln1's output gradient
   // assigned to act_->dln. PrepareMla makes the rotary tables of the batch's length.

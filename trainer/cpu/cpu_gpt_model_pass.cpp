@@ -300,9 +300,9 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
-  s.load_balancing_loss = moe_aux_sum_;
-  s.z_loss = moe_z_sum_;
   if (config().mtp_num_layers > 0) PTK_RETURN_IF_ERROR(MtpForwardBackward(batch, train, seed, &s));
+  s.load_balancing_loss = moe_aux_sum_;  // the depths' MoE layers' too
+  s.z_loss = moe_z_sum_;
   const absl::Status backward = RunBackward(batch, train, seed);
   dlnf_extra_ = nullptr;
   PTK_RETURN_IF_ERROR(backward);

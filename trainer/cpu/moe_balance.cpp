@@ -44,8 +44,9 @@ void GroupCounts(const cpu::MoeActivations<float>& m, int64_t E, int64_t K, int6
 
 CpuGPTModel::MoeBalanceState& CpuGPTModel::BalanceOf(int64_t l) {
   const GPTConfig& cf = config();
-  if (balance_.size() < static_cast<size_t>(cf.num_layers)) balance_.resize(static_cast<size_t>(cf.num_layers));
-  MoeBalanceState& st = balance_[static_cast<size_t>(l)];
+  const size_t layers = static_cast<size_t>(cf.num_layers + cf.mtp_num_layers);
+  if (balance_.size() < layers) balance_.resize(layers);
+  MoeBalanceState& st = balance_[static_cast<size_t>(l + moe_layer_offset_)];
   if (cf.moe_router_enable_expert_bias && st.expert_bias.empty()) {
     st.expert_bias.assign(static_cast<size_t>(cf.num_experts), 0.0f);
     st.tokens.assign(static_cast<size_t>(cf.num_experts), 0.0);
@@ -53,9 +54,17 @@ CpuGPTModel::MoeBalanceState& CpuGPTModel::BalanceOf(int64_t l) {
   return st;
 }
 
+int64_t CpuGPTModel::BalanceLayers() const { return static_cast<int64_t>(layout_.layers.size() + layout_.mtp.size()); }
+
+int64_t CpuGPTModel::RouterOf(int64_t l) const {
+  const int64_t L = static_cast<int64_t>(layout_.layers.size());
+  return l < L ? layout_.layers[static_cast<size_t>(l)].router_w
+               : layout_.mtp[static_cast<size_t>(l - L)].layer.router_w;
+}
+
 std::string CpuGPTModel::ExpertBiasName(int64_t l) const {
-  if (!config().moe_router_enable_expert_bias || l >= static_cast<int64_t>(layout_.layers.size())) return "";
-  const int64_t at = layout_.layers[static_cast<size_t>(l)].router_w;
+  if (!config().moe_router_enable_expert_bias || l >= BalanceLayers()) return "";
+  const int64_t at = RouterOf(l);
   if (at < 0) return "";
   for (const ParamInfo& p : layout_.infos)
     if (p.offset == at) {
@@ -116,8 +125,8 @@ MoeBalanceLosses CpuGPTModel::TakeMoeBalanceLosses() { return std::exchange(bala
 absl::Status CpuGPTModel::FinishMoeStep() {
   const GPTConfig& cf = config();
   if (!cf.moe()) return absl::OkStatus();
-  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
-    if (layout_.layers[static_cast<size_t>(l)].router_w < 0) continue;
+  for (int64_t l = 0; l < BalanceLayers(); ++l) {  // the decoder's layers, then the MTP depths'
+    if (RouterOf(l) < 0) continue;
     MoeBalanceState& st = BalanceOf(l);
     st.global_counts.clear();  // Megatron's reset_global_aux_loss_tracker
     st.global_steps = 0;
@@ -142,7 +151,7 @@ absl::Status CpuGPTModel::FinishMoeStep() {
 
 ModelBuffers CpuGPTModel::ReadBuffers() const {
   ModelBuffers out;
-  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
+  for (int64_t l = 0; l < BalanceLayers(); ++l) {
     const std::string name = ExpertBiasName(l);
     if (name.empty()) continue;
     const bool held = static_cast<size_t>(l) < balance_.size() && !balance_[static_cast<size_t>(l)].expert_bias.empty();
@@ -154,7 +163,7 @@ ModelBuffers CpuGPTModel::ReadBuffers() const {
 
 absl::Status CpuGPTModel::WriteBuffers(const ModelBuffers& in) {
   size_t used = 0;
-  for (int64_t l = 0; l < static_cast<int64_t>(layout_.layers.size()); ++l) {
+  for (int64_t l = 0; l < BalanceLayers(); ++l) {
     const std::string name = ExpertBiasName(l);
     if (name.empty()) continue;
     auto it = std::find_if(in.begin(), in.end(), [&](const auto& b) { return b.first == name; });

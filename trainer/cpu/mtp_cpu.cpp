@@ -6,7 +6,9 @@
 // logits scored against the labels and loss mask rolled likewise. Each depth's masked token losses weigh
 // mtp_loss_scaling_factor / mtp_num_layers x GPTModel::SetMtpLossScale's scale, over the depth's tokens unless
 // per token (MTPLossAutoScaler). The transformer layer and head run through the model's own passes
-// (RunForward / RunBackward) on a one-layer layout of the depth's tensors swapped in for the pass.
+// (RunForward / RunBackward) on a one-layer layout of the depth's tensors swapped in for the pass: an MoE layer's
+// router, experts and shared experts (its balance state, expert bias and aux losses at index layers + k:
+// moe_layer_offset_) or multi-latent attention (the main pass's rotary tables) as the decoder's.
 #include <algorithm>
 #include <utility>
 
@@ -56,7 +58,8 @@ void EmbeddingDropout(float* x, const ModelBatch& batch, int64_t c, double p, ui
 // Swaps depth k's layout and activations in for one of the model's passes (and back when it ends).
 class CpuGPTModel::MtpSwap {
  public:
-  MtpSwap(CpuGPTModel* m, MtpState::Depth* d) : m_(m), d_(d), act_(m->act_) {
+  MtpSwap(CpuGPTModel* m, MtpState::Depth* d, int64_t k) : m_(m), d_(d), act_(m->act_) {
+    m_->moe_layer_offset_ = static_cast<int64_t>(m_->layout_.layers.size()) + k;  // the depth's balance state
     std::swap(m_->layout_, d_->layout);
     m_->act_ = &d_->act;
     m_->mtp_pass_ = true;
@@ -65,6 +68,7 @@ class CpuGPTModel::MtpSwap {
     std::swap(m_->layout_, d_->layout);
     m_->act_ = act_;
     m_->mtp_pass_ = false;
+    m_->moe_layer_offset_ = 0;
   }
 
  private:
@@ -127,6 +131,8 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
     }
     d.act.rope_cos = main.rope_cos;
     d.act.rope_sin = main.rope_sin;
+    d.act.mla_cos = main.mla_cos;  // multi-latent attention's rotary tables (PrepareMla's, the batch's length)
+    d.act.mla_sin = main.mla_sin;
     cpu::EmbeddingForward(d.emb.data(), tokens, positions, P + layout_.wte, At(P, layout_.wpe), n, c);
     EmbeddingDropout(d.emb.data(), batch, c, p, seed, L + 1 + k);
     NormForward(cf, d.en.data(), d.en_mean.data(), d.en_rstd.data(), d.emb.data(), P, mp.enorm_w, mp.enorm_b, n, c);
@@ -144,7 +150,7 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
     const double w = cf.mtp_loss_scaling_factor / static_cast<double>(N) * mtp_loss_scale_ /
                      (mtp_per_token_ ? 1.0 : std::max(d.tokens_count, 1.0));
     {
-      MtpSwap swap(this, &d);
+      MtpSwap swap(this, &d, k);
       PTK_RETURN_IF_ERROR(RunForward(bk, train, seed));
       for (int64_t i = 0; i < n; ++i) d.act.dloss[i] = static_cast<float>(mask[i] * w);
       PTK_RETURN_IF_ERROR(Loss(bk, d.act.dloss.data()));
@@ -172,7 +178,7 @@ absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint6
     bk.loss_mask = d.mask.data();
     dlnf_extra_ = k + 1 < N ? mtp_->depths[static_cast<size_t>(k + 1)].dh.data() : nullptr;
     {
-      MtpSwap swap(this, &d);
+      MtpSwap swap(this, &d, k);
       PTK_RETURN_IF_ERROR(RunBackward(bk, train, seed));
     }
     dlnf_extra_ = nullptr;

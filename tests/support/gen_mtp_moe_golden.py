@@ -1,0 +1,220 @@
+"""Writes tests/data/trainer/mtp_NAME.{json,bin} for multi-token prediction with mixture-of-experts layers and
+multi-latent attention: megatron-core's own GPT trained on the CPU, the golden of ptk's CPU MTP with MoE and MLA
+(tests/trainer/mtp_moe_golden_test.cpp).
+
+megatron-core 0.16.1 (/opt/ptk-pyref) builds the decoder from get_gpt_decoder_block_spec(config,
+use_transformer_engine=False) (its local spec: MoE layers by moe_layer_freq, SequentialMLP experts behind the
+allgather dispatcher, shared experts, MLA with gen_mla_golden.py's core attention) and the MTP block from
+get_gpt_mtp_block_spec(config, that block spec, ...), whose transformer layer is the block's last layer's spec: an MoE
+layer when the decoder's last layer is one, a dense one otherwise (mtp_moe_dense_last). MTP layer k's router is
+layer num_layers + k + 1 of the aux-loss tracker (its values num_layers + mtp_num_layers long). Everything else is
+gen_mtp_golden.py's loop (DDP, optimizer, scheduler, MTPLossAutoScaler's and MoEAuxLossAutoScaler's scale
+1 / micro-batches) with gen_moe_golden.py's logging: per step the lm loss, grad norm, each mtp_K loss (x 1 /
+micro-batches) and the load-balancing loss as Megatron-LM's training_log passes it to track_moe_metrics
+(num_layers, moe_layer_freq, mtp_num_layers: the tracker's sum x 1 / micro-batches over the MoE layers of the
+pattern plus mtp_num_layers), and with expert bias each router's buffer after each step (expert_bias:STEP:NAME).
+
+Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_mtp_moe_golden.py tests/data/trainer [NAME ...]
+"""
+import json
+import os
+import struct
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
+from gen_mla_golden import mla_core_attention  # noqa: E402
+
+STEPS = 3
+COMMON = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, seq_length=8,
+              max_position_embeddings=8, vocab_size=40, padded_vocab_size=40, micro_batch_size=2,
+              num_micro_batches=2, lr=1e-2, min_lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+              adam_eps=1e-8, clip_grad=1.0, init_method_std=0.02, mtp_loss_scaling_factor=0.3, mla=False,
+              num_experts=0, moe_layer_freq=1, moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.05,
+              moe_router_score_function="softmax", moe_shared_expert_intermediate_size=0,
+              moe_router_enable_expert_bias=False, moe_router_bias_update_rate=0.01, swiglu=False,
+              normalization="LayerNorm", position_embedding_type="learned_absolute", q_lora_rank=8,
+              qk_layernorm=True, kv_lora_rank=6, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=6)
+GOLDENS = {
+    # Two depths; layers dense, MoE (top-2 of 4 GELU experts, aux loss), so the depths' layers are MoE layers; a
+    # shared expert of width 8.
+    "mtp_moe": dict(mtp_num_layers=2, num_experts=4, moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=8),
+    # Layers MoE, dense: the depth's layer is dense (the block's last layer's spec), the load-balancing loss still
+    # logged over the MoE layers plus the depth (Megatron-LM's track_moe_metrics).
+    "mtp_moe_dense_last": dict(mtp_num_layers=1, num_experts=4, moe_layer_freq=[1, 0]),
+    # One depth of multi-latent attention (queries through a latent of 8, latent norms), RMSNorm, SwiGLU, RoPE.
+    "mtp_mla": dict(mtp_num_layers=1, mla=True, normalization="RMSNorm", swiglu=True, position_embedding_type="rope"),
+    # DeepSeek-V3's shape: MLA, every layer MoE with a sigmoid router and aux-loss-free expert bias (rate 0.01)
+    # beside the aux loss, a shared expert, RMSNorm, SwiGLU, RoPE; one depth, an MoE + MLA layer.
+    "mtp_moe_mla": dict(mtp_num_layers=1, mla=True, normalization="RMSNorm", swiglu=True,
+                        position_embedding_type="rope", num_experts=4, moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=8),
+}
+
+
+def build(torch, g):
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    c = dict(COMMON)
+    c.update(g)
+    kw = dict(num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+              ffn_hidden_size=c["ffn_hidden_size"], use_cpu_initialization=True, hidden_dropout=0.0,
+              attention_dropout=0.0, add_bias_linear=False, init_method_std=c["init_method_std"],
+              gated_linear_unit=c["swiglu"], activation_func=F.silu if c["swiglu"] else F.gelu,
+              bias_activation_fusion=False, normalization=c["normalization"], mtp_num_layers=c["mtp_num_layers"],
+              mtp_loss_scaling_factor=c["mtp_loss_scaling_factor"])
+    if c["num_experts"]:
+        kw.update(num_moe_experts=c["num_experts"], moe_router_topk=c["moe_router_topk"],
+                  moe_ffn_hidden_size=c["moe_ffn_hidden_size"], moe_aux_loss_coeff=c["moe_aux_loss_coeff"],
+                  moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False,
+                  moe_token_dispatcher_type="allgather", moe_router_score_function=c["moe_router_score_function"],
+                  moe_grouped_gemm=False, moe_layer_freq=c["moe_layer_freq"], moe_router_dtype="fp32",
+                  moe_router_enable_expert_bias=c["moe_router_enable_expert_bias"],
+                  moe_router_bias_update_rate=c["moe_router_bias_update_rate"],
+                  moe_shared_expert_intermediate_size=c["moe_shared_expert_intermediate_size"] or None)
+    if c["mla"]:
+        kw.update(multi_latent_attention=True, qk_layernorm=c["qk_layernorm"], q_lora_rank=c["q_lora_rank"],
+                  kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_head_dim"],
+                  qk_pos_emb_head_dim=c["qk_pos_emb_head_dim"], v_head_dim=c["v_head_dim"], rope_type="rope",
+                  rotary_base=10000.0, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                  apply_rope_fusion=False)
+    cfg = (MLATransformerConfig if c["mla"] else TransformerConfig)(**kw)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    for layer in spec.layer_specs:
+        if c["mla"]:
+            layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
+    mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
+                   max_sequence_length=c["max_position_embeddings"],
+                   position_embedding_type=c["position_embedding_type"], share_embeddings_and_output_weights=False,
+                   mtp_block_spec=mtp_spec)
+    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=c["lr"], min_lr=c["min_lr"], weight_decay=c["weight_decay"], adam_beta1=c["adam_beta1"],
+        adam_beta2=c["adam_beta2"], adam_eps=c["adam_eps"], clip_grad=c["clip_grad"]), [model])
+    gbs = c["micro_batch_size"] * c["num_micro_batches"]
+    sched = OptimizerParamScheduler(opt, init_lr=c["lr"], max_lr=c["lr"], min_lr=c["min_lr"], lr_warmup_steps=0,
+                                    lr_decay_steps=100 * gbs, lr_decay_style="constant",
+                                    start_wd=c["weight_decay"], end_wd=c["weight_decay"], wd_incr_steps=100 * gbs,
+                                    wd_incr_style="constant")
+    return c, gpt, model, opt, sched
+
+
+def moe_pattern(c):
+    f = c["moe_layer_freq"]
+    if not c["num_experts"]:
+        return [0] * c["num_layers"]
+    return list(f) if isinstance(f, list) else [1 if i % f == 0 else 0 for i in range(c["num_layers"])]
+
+
+def run(torch, name, g, out_dir):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+    torch.manual_seed(1234)
+    MTPLossLoggingHelper.tracker.clear()
+    get_moe_layer_wise_logging_tracker().clear()
+    c, gpt, model, opt, sched = build(torch, g)
+    blob = bytearray()
+    tensors = {}
+
+    def put(key, t, fmt="<f"):
+        flat = t.detach().flatten().tolist()
+        tensors[key] = {"shape": list(t.shape), "offset": len(blob)}
+        blob.extend(struct.pack(f"<{len(flat)}{fmt[-1]}", *flat))
+
+    for n, p in gpt.named_parameters():
+        put("init:" + n, p.float())
+    gen = torch.Generator().manual_seed(7)
+    b, s, m = c["micro_batch_size"], c["seq_length"], c["num_micro_batches"]
+    tokens = torch.randint(0, c["vocab_size"], (STEPS * m, b, s + 1), generator=gen)
+    put("tokens", tokens[:, :, :-1].to(torch.int32), "<i")
+    put("labels", tokens[:, :, 1:].to(torch.int32), "<i")
+    mask = torch.ones(STEPS * m, b, s)
+    put("loss_mask", mask)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    pattern = moe_pattern(c)
+    moe_layers = sum(pattern) + c["mtp_num_layers"]  # track_moe_metrics' num_moe_layers with mtp_num_layers
+    steps = []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        clear_aux_losses_tracker()
+        lm = 0.0
+        for k in range(m):
+            x, mk = tokens[step * m + k], mask[step * m + k]
+            MTPLossAutoScaler.set_loss_scale(torch.ones(1) / m)
+            losses = model(x[:, :-1], pos, None, labels=x[:, 1:], loss_mask=mk).float()
+            loss = (losses * mk).sum() / mk.sum() / m
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / m)
+            loss.backward()
+            lm += float(loss)
+        finalize_model_grads([model], num_tokens=None)
+        if step == 0:
+            for n, p in gpt.named_parameters():
+                put("grad:" + n, p.main_grad.float())
+        ok, grad_norm, _ = opt.step()
+        assert ok
+        sched.step(increment=b * m)
+        values = MTPLossLoggingHelper.tracker["values"]
+        mtp = [float(v) / m for v in values]
+        values.zero_()
+        tracker = get_moe_layer_wise_logging_tracker()
+        lbl = tracker["load_balancing_loss"]["values"] if "load_balancing_loss" in tracker else None
+        steps.append({"lm_loss": lm, "grad_norm": float(grad_norm), "mtp_losses": mtp,
+                      "load_balancing_loss": float((lbl * (1.0 / m)).sum() / moe_layers) if lbl is not None else 0.0,
+                      "load_balancing_loss_layers": [float(v) / m for v in lbl] if lbl is not None else []})
+        if c["moe_router_enable_expert_bias"]:
+            for n, buf in gpt.named_buffers():
+                if n.endswith("router.expert_bias"):
+                    put(f"expert_bias:{step}:{n}", buf.float())
+    for n, p in gpt.named_parameters():
+        put("final:" + n, p.float())
+    from megatron.core import package_info
+    config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
+    config["moe_layer_pattern"] = pattern
+    config["untie"] = True
+    config["expert_bias_keys"] = [n for n, _ in gpt.named_buffers() if n.endswith("router.expert_bias")]
+    meta = {"generator": "tests/support/gen_mtp_moe_golden.py", "megatron_core": package_info.__version__,
+            "torch": torch.__version__, "config": config, "steps": steps, "tensors": tensors,
+            "param_order": [n for n, _ in gpt.named_parameters()]}
+    with open(os.path.join(out_dir, name + ".json"), "w") as fh:
+        json.dump(meta, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    with open(os.path.join(out_dir, name + ".bin"), "wb") as fh:
+        fh.write(bytes(blob))
+    print(f"wrote {name}: {steps}", file=sys.stderr)
+
+
+def main():
+    out_dir = sys.argv[1]
+    import torch
+    import torch.distributed as dist
+    cpu_shims(torch)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        import megatron.core.tensor_parallel.random as mrandom
+        from megatron.core import parallel_state
+        mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
+        mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        if not hasattr(moe_utils, "te_general_gemm"):  # its import sits under HAVE_TE (gen_moe_golden.py)
+            moe_utils.te_general_gemm = None
+        import megatron.core.transformer.multi_latent_attention as mla
+        mla.HAVE_TE = False  # its TE imports half succeed without TE (gen_mla_golden.py)
+        parallel_state.initialize_model_parallel(1, 1)
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        for name in sys.argv[2:] or list(GOLDENS):
+            run(torch, name, GOLDENS[name], out_dir)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+// The CPU model's multi-token prediction with mixture-of-experts layers and multi-latent attention against
+// megatron-core 0.16.1 itself (tests/support/gen_mtp_moe_golden.py: its GPTModel from get_gpt_decoder_block_spec
+// with the MultiTokenPredictionBlock of get_gpt_mtp_block_spec, DDP, optimizer and scheduler on the CPU): two MoE
+// depths with a shared expert after a dense and an MoE layer (mtp_moe), a dense depth after an MoE and a dense
+// layer (mtp_moe_dense_last: the depth's layer is the decoder's last layer's kind), an MLA depth (mtp_mla), and an
+// MoE + MLA depth with a sigmoid router, expert bias and a shared expert (mtp_moe_mla). The layout (Megatron's
+// names, shapes and order), the first step's lm loss, grad norm, mtp_K losses, load-balancing loss (logged over the
+// MoE layers plus the depths, as Megatron-LM) and every gradient within 1e-5 relative (fp32 sums in another order:
+// the MoE and MLA goldens' bound), and three optimizer steps' losses, expert biases (bit for bit: sign steps of
+// fp32 counts) and weights within 1e-4 (as the other megatron-core goldens: Adam's first steps amplify the last
+// bits).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/trainer/golden_util.h"
+#include "trainer/backend.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/gpt_model.h"
+#include "trainer/parallel_params.h"
+#include "trainer/param_layout.h"
+#include "trainer/train_step.h"
+
+namespace ptk {
+namespace {
+
+using testing::Golden;
+using testing::GoldenBatches;
+using testing::RelError;
+
+class MtpMoeGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto cfg = g_.meta["config"];
+    auto str = [&](const char* k) { return std::string(cfg[k].get_string().value()); };
+    GPTConfig c = g_.Shape();
+    c.init_method_std = g_.Num("init_method_std");
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+    c.swiglu = cfg["swiglu"].get_bool();
+    c.gelu_exact = !c.swiglu;  // torch's exact GELU without the bias-GELU fusion
+    c.hidden_dropout = c.attention_dropout = 0.0;
+    c.normalization = str("normalization") == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm;
+    c.position_embedding =
+        str("position_embedding_type") == "rope" ? PositionEmbedding::kRope : PositionEmbedding::kLearnedAbsolute;
+    c.mtp_num_layers = g_.Int("mtp_num_layers");
+    c.mtp_loss_scaling_factor = g_.Num("mtp_loss_scaling_factor");
+    if (g_.Int("num_experts") > 0) {
+      c.num_experts = g_.Int("num_experts");
+      c.moe_router_topk = g_.Int("moe_router_topk");
+      c.moe_ffn_hidden_size = g_.Int("moe_ffn_hidden_size");
+      c.moe_router_pre_softmax = false;
+      c.moe_aux_loss_coeff = g_.Num("moe_aux_loss_coeff");
+      c.moe_router_sigmoid = str("moe_router_score_function") == "sigmoid";
+      for (auto v : cfg["moe_layer_pattern"].get_array()) c.moe_layer_pattern.push_back(int(int64_t(v)));
+      c.moe_shared_expert_intermediate_size = g_.Int("moe_shared_expert_intermediate_size");
+      c.moe_router_enable_expert_bias = cfg["moe_router_enable_expert_bias"].get_bool();
+      c.moe_router_bias_update_rate = g_.Num("moe_router_bias_update_rate");
+    }
+    if (cfg["mla"].get_bool()) {
+      c.multi_latent_attention = true;
+      c.qk_layernorm = cfg["qk_layernorm"].get_bool();
+      c.q_lora_rank = g_.Int("q_lora_rank");
+      c.kv_lora_rank = g_.Int("kv_lora_rank");
+      c.qk_head_dim = g_.Int("qk_head_dim");
+      c.qk_pos_emb_head_dim = g_.Int("qk_pos_emb_head_dim");
+      c.v_head_dim = g_.Int("v_head_dim");
+    }
+    config_ = c;
+  }
+  std::unique_ptr<CpuGPTModel> MakeModel() {
+    auto m = CpuGPTModel::Create(config_);
+    EXPECT_TRUE(m.ok()) << m.status();
+    EXPECT_TRUE((*m)->WriteParams(g_.InitWeights((*m)->layout())).ok());
+    return std::move(*m);
+  }
+  double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
+  double WantMtp(int64_t step, int64_t k) { return g_.meta["steps"].at(step)["mtp_losses"].at(k).get_double(); }
+
+  Golden g_{GetParam()};
+  GoldenBatches batches_{g_};
+  GPTConfig config_;
+};
+
+TEST_P(MtpMoeGolden, TheLayoutIsMegatronCores) {
+  auto layout = ParamLayout::Create(config_);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->infos.size(), g_.meta["param_order"].get_array().size());
+  std::vector<std::string> theirs, mine;  // the order, the attention's tensors aside (registered either way)
+  int64_t count = 0;
+  for (auto e : g_.meta["param_order"].get_array()) {
+    const std::string name(e.get_string().value());
+    const ParamInfo* p = layout->Find(name);
+    ASSERT_NE(p, nullptr) << name;
+    std::vector<int64_t> shape;
+    for (auto d : g_.meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
+    EXPECT_EQ(p->shape, shape) << name;
+    count += p->size;
+    if (name.find("self_attention") == std::string::npos) theirs.push_back(name);
+  }
+  for (const ParamInfo& p : layout->infos)
+    if (p.name.find("self_attention") == std::string::npos) mine.push_back(p.name);
+  EXPECT_EQ(mine, theirs);
+  EXPECT_EQ(layout->num_params, count);
+  EXPECT_EQ(ParamsOnModelParallelRank(config_, 1, 1, 0, config_.num_layers), count);  // --dry-run's count
+  for (const MtpLayerParams& mp : layout->mtp)                                        // the decoder's last layer's kind
+    EXPECT_EQ(mp.layer.router_w >= 0, config_.moe_layer(config_.num_layers - 1));
+  std::vector<std::string> biases;
+  for (const auto& [name, bias] : MakeModel()->ReadBuffers()) biases.push_back(name);
+  std::vector<std::string> want;
+  for (auto k : g_.meta["config"]["expert_bias_keys"].get_array()) want.emplace_back(k.get_string().value());
+  EXPECT_EQ(biases, want);  // mtp.layers.K.transformer_layer.mlp.router.expert_bias after the decoder's
+}
+
+TEST_P(MtpMoeGolden, TheFirstStepsGradientsMatchMegatron) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), g_.Optimizer(), g_.ConstantSchedule(), comm.get());
+  auto r = step.ComputeGradients(batches_.Step(0), 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LE(std::abs(r->lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
+  EXPECT_LE(std::abs(r->grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
+  EXPECT_LE(std::abs(r->load_balancing_loss - Want(0, "load_balancing_loss")), 1e-5);
+  ASSERT_EQ(static_cast<int64_t>(r->mtp_losses.size()), config_.mtp_num_layers);
+  for (int64_t k = 0; k < config_.mtp_num_layers; ++k)
+    EXPECT_LE(std::abs(r->mtp_losses[k] - WantMtp(0, k)) / WantMtp(0, k), 1e-5) << "mtp_" << k + 1;
+  double worst = 0;
+  for (const ParamInfo& p : model->params_info()) {
+    const double e = RelError(model->grads() + p.offset, g_.Tensor<float>("grad:" + p.name));
+    EXPECT_LE(e, 1e-5) << p.name;
+    worst = std::max(worst, e);
+  }
+  std::printf(
+      "%s: loss %.9g (megatron %.9g), mtp_1 %.9g (%.9g), load balancing %.9g (%.9g), largest gradient "
+      "difference %.3g\n",
+      GetParam().c_str(), r->lm_loss(), Want(0, "lm_loss"), r->mtp_losses[0], WantMtp(0, 0), r->load_balancing_loss,
+      Want(0, "load_balancing_loss"), worst);
+}
+
+TEST_P(MtpMoeGolden, ThreeOptimizerStepsMatchMegatron) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  TrainStep step(model.get(), g_.Optimizer(), g_.ConstantSchedule(), comm.get());
+  const int64_t steps = static_cast<int64_t>(g_.meta["steps"].get_array().size());
+  for (int64_t s = 0; s < steps; ++s) {
+    auto r = step.Step(batches_.Step(s), g_.GlobalBatch(), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
+    EXPECT_LE(std::abs(r->load_balancing_loss - Want(s, "load_balancing_loss")), 1e-5) << "step " << s;
+    for (int64_t k = 0; k < config_.mtp_num_layers; ++k)
+      EXPECT_LE(std::abs(r->mtp_losses[k] - WantMtp(s, k)), 1e-5) << "step " << s << " mtp_" << k + 1;
+    for (const auto& [name, bias] : model->ReadBuffers())
+      EXPECT_EQ(bias, g_.Tensor<float>(fmt::format("expert_bias:{}:{}", s, name))) << name << " step " << s;
+  }
+  for (const ParamInfo& p : model->params_info())
+    EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4) << p.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Goldens, MtpMoeGolden,
+                         ::testing::Values("mtp_moe", "mtp_moe_dense_last", "mtp_mla", "mtp_moe_mla"));
+
+// Expert parallelism (the depths' experts are not cut over expert ranks) stays refused by the library.
+TEST(MtpMoeModel, ExpertParallelismIsRefused) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 16;
+  c.seq_length = c.max_position_embeddings = 8;
+  c.vocab_size = c.padded_vocab_size = 32;
+  c.add_bias_linear = false;
+  c.num_experts = 2;
+  c.mtp_num_layers = 1;
+  ASSERT_TRUE(ParamLayout::Create(c).ok());
+  EXPECT_FALSE(ParamLayout::Create(c, 1, 0, PipelineStage{}, /*expert_size=*/2, 0).ok());
+}
+
+}  // namespace
+}  // namespace ptk
