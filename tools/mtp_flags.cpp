@@ -17,8 +17,8 @@ void AddMtpFlags(CLI::App* app, TrainFlags* f) {
   TrainFlags::Mtp& m = f->mtp;
   app->add_option("--mtp-num-layers", m.num_layers,
                   "Multi-token prediction (DeepSeek-V3, megatron-core's MultiTokenPredictionBlock): this many depths "
-                  "after the decoder, depth k predicting the token k + 1 further; logged as mtp_K loss (default "
-                  "none; CPU only)")
+                  "after the decoder, depth k predicting the token k + 1 further, its layer the decoder's last "
+                  "layer's kind (MoE, MLA); logged as mtp_K loss (default none; CPU only)")
       ->check(IntIn(0, 64));
   app->add_option("--mtp-loss-scaling-factor", m.loss_scaling_factor,
                   "Multi-token prediction: the weight of the depths' mean loss in the gradient (default 0.1)")
@@ -55,9 +55,8 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   if (f.pipeline_model_parallel_size > 1)
     return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
-  if (f.moe.num_experts > 0) return refuse(fmt::format("--num-experts {}", f.moe.num_experts));
+  // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
   if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
-  if (f.mla.on) return refuse("--multi-latent-attention");
   if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce");
   if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)");
   return absl::OkStatus();

@@ -2,7 +2,9 @@
 // the lm loss, --metrics-file's mtp_K_loss, checkpoints under megatron-core's mtp.layers.K names that resume bit
 // for bit (dropout on: the depths' masks keyed too), two data ranks training as one, ptk-convert's refusal,
 // --dry-run's parameter count against megatron-core's (tests/data/trainer/mtp_tied's tensors), and every
-// combination not implemented refused in one line naming it.
+// combination not implemented refused in one line naming it. With MoE and MLA (DeepSeek-V3's shape: a depth's layer an
+// MoE layer of multi-latent attention): the log line's load-balancing and mtp_K losses, the depths' router, experts,
+// shared experts, MLA projections and expert biases under Megatron's names, and a bit-for-bit resume.
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -107,6 +109,57 @@ TEST_F(MtpTrainCli, AStoppedRunResumesBitForBit) {
   EXPECT_EQ(testing::LogLinesWithoutTimes(t.output), b);
 }
 
+constexpr char kMoeMla[] =
+    " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01 --disable-bias-linear"
+    " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-shared-expert-intermediate-size 32"
+    " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
+    " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --position-embedding-type rope ";
+
+TEST_F(MtpTrainCli, WithMoeAndMlaTrainsLogsSavesAndResumesBitForBit) {
+  auto whole = RunCmd(Train(kMoeMla + std::string("--save ") + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  // Megatron's order: lm loss, load_balancing_loss (over the MoE layers and the depths), mtp_1 loss, mtp_2 loss.
+  const std::regex line(R"(\| lm loss: \S+ \| load_balancing_loss: \S+ \| mtp_1 loss: \S+ \| mtp_2 loss: \S+ \| )");
+  const auto a = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  for (const std::string& l : a) EXPECT_TRUE(std::regex_search(l, line)) << l;
+  auto first = RunCmd(Train(kMoeMla + std::string("--exit-interval 3 --save ") + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train(kMoeMla + std::string("--load ") + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  c.moe_shared_expert_intermediate_size = 32;
+  c.moe_router_sigmoid = c.moe_router_enable_expert_bias = true;
+  c.gelu_exact = true;  // --disable-bias-linear: no bias-GELU fusion
+  c.multi_latent_attention = c.qk_layernorm = true;
+  c.q_lora_rank = 16, c.kv_lora_rank = 12, c.qk_head_dim = 8, c.qk_pos_emb_head_dim = 4, c.v_head_dim = 6;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.mtp_num_layers = 2;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const char* name : {"mtp.layers.0.transformer_layer.mlp.router.weight",
+                           "mtp.layers.1.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight",
+                           "mtp.layers.1.transformer_layer.mlp.shared_experts.linear_fc1.weight",
+                           "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight",
+                           "mtp.layers.1.transformer_layer.self_attention.kv_layernorm.weight"})
+    EXPECT_NE(layout->Find(name), nullptr) << name;
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status loaded = LoadCheckpoint(dir_ / "full", 6, *layout, &p, &m, &v, &st);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  std::vector<std::string> buffers;
+  for (const auto& [name, values] : st.buffers) buffers.push_back(name);
+  EXPECT_EQ(buffers, (std::vector<std::string>{"decoder.layers.0.mlp.router.expert_bias",
+                                               "decoder.layers.1.mlp.router.expert_bias",
+                                               "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+                                               "mtp.layers.1.transformer_layer.mlp.router.expert_bias"}));
+}
+
 TEST_F(MtpTrainCli, TwoDataRanksTrainAsOneRankDoes) {
   auto one = RunCmd(Train(""));
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -147,9 +200,8 @@ TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {mtp + " --tensor-model-parallel-size 2", with + "--tensor-model-parallel-size 2: ptk's multi-token"},
       {mtp + " --pipeline-model-parallel-size 2", with + "--pipeline-model-parallel-size 2"},
       {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2"},
-      {mtp + " --num-experts 2 --disable-bias-linear", with + "--num-experts 2"},
-      {mtp + " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4",
-       with + "--multi-latent-attention"},
+      {mtp + " --num-experts 2 --disable-bias-linear --expert-model-parallel-size 2",
+       with + "--expert-model-parallel-size 2"},
       {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},
       {mtp + " --device cuda", with + "--device cuda"},
       {mtp + " --dry-run --bf16", with + "--device cuda"},
