@@ -70,7 +70,7 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
                   c.qk_layernorm ? "Qwen3ForCausalLM (--qk-layernorm)" : "LlamaForCausalLM", list));
 }
 
-std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
+std::string RopeScalingJson(const GPTConfig& c) {
   // Llama 3.x's scaling, or linear position interpolation (transformers divides the frequencies by the
   // factor where Megatron divides the positions: the same angles up to fp32 rounding).
   std::string rope_scaling = "null";
@@ -87,6 +87,11 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
   else if (c.rotary_seq_len_interpolation_factor > 0)
     rope_scaling =
         PrettyConfig({{"factor", Num(c.rotary_seq_len_interpolation_factor)}, {"rope_type", Str("linear")}}, 1);
+  return rope_scaling;
+}
+
+std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
+  const std::string rope_scaling = RopeScalingJson(c);
   const bool qwen3 = c.qk_layernorm;
   std::vector<std::pair<std::string, std::string>> fields = {
       {"architectures", qwen3 ? "[\n    \"Qwen3ForCausalLM\"\n  ]" : "[\n    \"LlamaForCausalLM\"\n  ]"},
@@ -232,8 +237,6 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
   if (c.untie_embeddings_and_output_weights) vocab("lm_head.weight", layout.out_w);
 }
 
-namespace {
-
 // Qwen3's attention is causal over the whole sequence when use_sliding_window is false, as ptk's. Newer
 // transformers name each layer's kind in layer_types; any but "full_attention" is refused. transformers
 // 4.51 masks beyond sliding_window (default 4096) even so: noted where the positions reach past it.
@@ -267,6 +270,8 @@ absl::Status ReadQwen3Attention(const HfConfigReader& r, const GPTConfig& c, std
         window, window));
   return absl::OkStatus();
 }
+
+namespace {
 
 // Qwen3Config's dimensions (absent keys: its defaults); head_dim any width (Megatron's --kv-channels).
 absl::Status ReadQwen3Dims(const HfConfigReader& r, GPTConfig* c) {
@@ -408,6 +413,24 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
 
 }  // namespace
 
+absl::Status ReadLlamaCommon(const HfConfigReader& r, GPTConfig* c) {
+  std::string_view act;
+  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
+  if (act != "silu")
+    return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
+  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c->layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c->attention_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c->init_method_std, 0, true, kMaxInitMethodStd, false));
+  c->hidden_dropout = 0.0;  // LlamaForCausalLM has none
+  double partial = 1.0;
+  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
+  if (partial != 1.0)
+    return r.Bad(
+        fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
+  PTK_RETURN_IF_ERROR(ReadRope(r, c));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3) {
   GPTConfig c;
@@ -429,20 +452,7 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   } else {
     PTK_RETURN_IF_ERROR(ReadLlamaDims(r, make_vocab_size_divisible_by, &c, &head_dim, &tie));
   }
-  std::string_view act;
-  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
-  if (act != "silu")
-    return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
-  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
-  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c.attention_dropout, 0, false, 1, true));
-  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
-  c.hidden_dropout = 0.0;  // LlamaForCausalLM has none
-  double partial = 1.0;
-  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
-  if (partial != 1.0)
-    return r.Bad(
-        fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
-  PTK_RETURN_IF_ERROR(ReadRope(r, &c));
+  PTK_RETURN_IF_ERROR(ReadLlamaCommon(r, &c));
   // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
   const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(head_dim),
                implied = static_cast<double>(c.num_layers) *
