@@ -27,6 +27,7 @@
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
 #include "interop/hf_mixtral.h"
+#include "interop/hf_qwen2_moe.h"
 #include "interop/hf_qwen3_moe.h"
 #include "interop/hf_shards.h"
 #include "interop/megatron.h"
@@ -417,10 +418,11 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   if (model_type == "qwen3") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes, /*qwen3=*/true);
   if (model_type == "mixtral") return hf_detail::ReadMixtralConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen3_moe") return hf_detail::ReadQwen3MoeConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "qwen2_moe") return hf_detail::ReadQwen2MoeConfig(r, make_vocab_size_divisible_by, notes);
   return r.Bad(fmt::format(
       "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\"), Qwen3 "
-      "models (model_type \"qwen3\"), Mixtral models (model_type \"mixtral\") and Qwen3-MoE models (model_type "
-      "\"qwen3_moe\")",
+      "models (model_type \"qwen3\"), Mixtral models (model_type \"mixtral\"), Qwen3-MoE models (model_type "
+      "\"qwen3_moe\") and Qwen2-MoE models (model_type \"qwen2_moe\")",
       model_type));
 }
 
@@ -509,7 +511,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
                                           : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
   if (c.moe()) {  // MixtralForCausalLM, Qwen3MoeForCausalLM
-    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, c.qk_layernorm ? "Qwen3-MoE" : "Mixtral"));
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, hf_detail::MoeArchitecture(c)));
     hf_detail::MapMoeParams(layout, &params, &tensors, /*to_hf=*/false);
   } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));

@@ -130,14 +130,14 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
 std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
   const int64_t h = c.hidden_size, f = c.ffn_hidden_size, hd = c.head_dim(), q = c.num_attention_heads * hd,
                 kv = c.query_groups() * hd;
-  const bool bias = c.add_bias_linear;
+  const bool bias = c.add_bias_linear;  // every linear layer's; q, k and v alone with --add-qkv-bias (Qwen2-MoE)
   std::vector<HfTensor> t;
   t.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, {}});
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
     for (const auto& [name, rows] : {std::pair<const char*, int64_t>{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
       t.push_back({p + "self_attn." + name + ".weight", {rows, h}, {}});
-      if (bias) t.push_back({p + "self_attn." + name + ".bias", {rows}, {}});
+      if (c.qkv_bias()) t.push_back({p + "self_attn." + name + ".bias", {rows}, {}});
     }
     t.push_back({p + "self_attn.o_proj.weight", {h, q}, {}});
     if (bias) t.push_back({p + "self_attn.o_proj.bias", {h}, {}});
@@ -211,7 +211,7 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
         const char* proj = s < per_group ? "q_proj" : s == per_group ? "k_proj" : "v_proj";
         const int64_t at = (s < per_group ? g * per_group + s : g) * hd;
         head(p + "self_attn." + proj + ".weight", at, lp.qkv_w + row * h, h, s <= per_group);
-        if (c.add_bias_linear) head(p + "self_attn." + proj + ".bias", at, lp.qkv_b + row, 1, s <= per_group);
+        if (c.qkv_bias()) head(p + "self_attn." + proj + ".bias", at, lp.qkv_b + row, 1, s <= per_group);
       }
     copy(p + "self_attn.o_proj.weight", lp.proj_w);
     if (c.qk_layernorm) {
@@ -511,7 +511,7 @@ std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& 
       {"--num-query-groups", Int(c.query_groups())},
       {"--kv-channels", Int(c.head_dim())},
       {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
-      {"--add-qkv-bias", "off"},
+      {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
       {"--hidden-dropout", SettingNum(c.hidden_dropout)},
       {"--attention-dropout", SettingNum(c.attention_dropout)},
@@ -536,6 +536,7 @@ std::string LlamaTrainFlags(const GPTConfig& c) {
   if (c.rotary_seq_len_interpolation_factor > 0)
     flags += " --rotary-seq-len-interpolation-factor " + SettingNum(c.rotary_seq_len_interpolation_factor);
   if (c.qk_layernorm) flags += " --qk-layernorm";
+  if (c.add_qkv_bias && !c.add_bias_linear) flags += " --add-qkv-bias";  // Qwen2-MoE's qkv_bias
   return flags;
 }
 

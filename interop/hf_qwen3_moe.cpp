@@ -8,6 +8,7 @@
 #include "common/status.h"
 #include "interop/hf_llama.h"
 #include "interop/hf_mixtral.h"
+#include "interop/hf_qwen2_moe.h"
 
 namespace ptk::hf_detail {
 namespace {
@@ -142,7 +143,7 @@ absl::Status ReadQwen3MoeDims(const HfConfigReader& r, int64_t make_vocab_size_d
 
 // Which layers are mixtures: Qwen3MoeDecoderLayer's rule, (l + 1) % decoder_sparse_step == 0 and l not in
 // mlp_only_layers.
-absl::Status ReadQwen3MoeLayers(const HfConfigReader& r, GPTConfig* c) {
+absl::Status ReadQwenMoeLayers(const HfConfigReader& r, GPTConfig* c) {
   int64_t step = 1;
   PTK_RETURN_IF_ERROR(r.GetInt("decoder_sparse_step", &step, 1));
   std::vector<int> pattern(static_cast<size_t>(c->num_layers));
@@ -172,6 +173,27 @@ absl::Status ReadQwen3MoeLayers(const HfConfigReader& r, GPTConfig* c) {
 
 }  // namespace
 
+absl::Status ReadQwenMoeRouting(const HfConfigReader& r, GPTConfig* c, std::vector<std::string>* notes) {
+  PTK_RETURN_IF_ERROR(ReadQwenMoeLayers(r, c));
+  bool sliding = false;  // the config drops sliding_window unless use_sliding_window
+  PTK_RETURN_IF_ERROR(r.Get("use_sliding_window", false, &sliding, "true or false"));
+  if (sliding) return r.Bad("use_sliding_window true: ptk's attention is causal over the whole sequence");
+  // The softmax over every expert, the top k renormalised (norm_topk_prob true: Megatron's softmax over the top
+  // k's logits, its default) or not (false, the configs' default: --moe-router-pre-softmax).
+  bool norm = false;
+  PTK_RETURN_IF_ERROR(r.Get("norm_topk_prob", false, &norm, "true or false"));
+  c->moe_router_pre_softmax = !norm;
+  PTK_RETURN_IF_ERROR(r.GetReal("router_aux_loss_coef", 0.001, &c->moe_aux_loss_coeff, 0, false, 1e300, false));
+  bool router_logits = false;
+  PTK_RETURN_IF_ERROR(r.Get("output_router_logits", false, &router_logits, "true or false"));
+  if (!router_logits && c->moe_aux_loss_coeff > 0)
+    notes->push_back(fmt::format(
+        "router_aux_loss_coef {}: ptk-train adds the load-balancing loss at that weight (--moe-aux-loss-coeff; "
+        "transformers only with output_router_logits); 0 turns it off",
+        Num(c->moe_aux_loss_coeff)));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                              std::vector<std::string>* notes) {
   GPTConfig c;
@@ -182,24 +204,8 @@ absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t ma
   c.add_bias_linear = false;
   c.moe_router_sigmoid = false;
   PTK_RETURN_IF_ERROR(ReadQwen3MoeDims(r, make_vocab_size_divisible_by, &c));
-  PTK_RETURN_IF_ERROR(ReadQwen3MoeLayers(r, &c));
-  bool sliding = false;  // Qwen3MoeConfig drops sliding_window unless use_sliding_window
-  PTK_RETURN_IF_ERROR(r.Get("use_sliding_window", false, &sliding, "true or false"));
-  if (sliding) return r.Bad("use_sliding_window true: ptk's attention is causal over the whole sequence");
-  // The softmax over every expert, the top k renormalised (norm_topk_prob true: Megatron's softmax over the top
-  // k's logits, its default) or not (false, Qwen3MoeConfig's default: --moe-router-pre-softmax).
-  bool norm = false;
-  PTK_RETURN_IF_ERROR(r.Get("norm_topk_prob", false, &norm, "true or false"));
-  c.moe_router_pre_softmax = !norm;
+  PTK_RETURN_IF_ERROR(ReadQwenMoeRouting(r, &c, notes));
   PTK_RETURN_IF_ERROR(ReadLlamaCommon(r, &c));
-  PTK_RETURN_IF_ERROR(r.GetReal("router_aux_loss_coef", 0.001, &c.moe_aux_loss_coeff, 0, false, 1e300, false));
-  bool router_logits = false;
-  PTK_RETURN_IF_ERROR(r.Get("output_router_logits", false, &router_logits, "true or false"));
-  if (!router_logits && c.moe_aux_loss_coeff > 0)
-    notes->push_back(fmt::format(
-        "router_aux_loss_coef {}: ptk-train adds the load-balancing loss at that weight (--moe-aux-loss-coeff; "
-        "transformers only with output_router_logits); 0 turns it off",
-        Num(c.moe_aux_loss_coeff)));
   // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
   const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(c.kv_channels),
                implied = static_cast<double>(c.num_layers) *
@@ -216,30 +222,58 @@ absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t ma
   return c;
 }
 
+// Qwen3-MoE with --qk-layernorm, Qwen2-MoE with shared experts, Mixtral otherwise.
+enum class MoeClass { kMixtral, kQwen2Moe, kQwen3Moe };
+MoeClass ClassOf(const GPTConfig& c) {
+  return c.qk_layernorm                              ? MoeClass::kQwen3Moe
+         : c.moe_shared_expert_intermediate_size > 0 ? MoeClass::kQwen2Moe
+                                                     : MoeClass::kMixtral;
+}
+
 const char* MoeArchitecture(const GPTConfig& c) {
-  return c.qk_layernorm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
+  switch (ClassOf(c)) {
+    case MoeClass::kQwen3Moe: return "Qwen3MoeForCausalLM";
+    case MoeClass::kQwen2Moe: return "Qwen2MoeForCausalLM";
+    default: return "MixtralForCausalLM";
+  }
 }
 
 absl::Status CheckMoeExportable(const GPTConfig& c, const std::string& file) {
-  return c.qk_layernorm ? CheckQwen3MoeExportable(c, file) : CheckMixtralExportable(c, file);
+  switch (ClassOf(c)) {
+    case MoeClass::kQwen3Moe: return CheckQwen3MoeExportable(c, file);
+    case MoeClass::kQwen2Moe: return CheckQwen2MoeExportable(c, file);
+    default: return CheckMixtralExportable(c, file);
+  }
 }
 
 std::string MoeConfigJson(const GPTConfig& c, int64_t eod) {
-  return c.qk_layernorm ? Qwen3MoeConfigJson(c, eod) : MixtralConfigJson(c, eod);
+  switch (ClassOf(c)) {
+    case MoeClass::kQwen3Moe: return Qwen3MoeConfigJson(c, eod);
+    case MoeClass::kQwen2Moe: return Qwen2MoeConfigJson(c, eod);
+    default: return MixtralConfigJson(c, eod);
+  }
 }
 
 std::vector<HfTensor> MoeTensorsOf(const GPTConfig& c) {
-  return c.qk_layernorm ? MoeTensorsOf(c, kQwen3Moe) : MixtralTensorsOf(c);
+  switch (ClassOf(c)) {
+    case MoeClass::kQwen3Moe: return MoeTensorsOf(c, kQwen3Moe);
+    case MoeClass::kQwen2Moe: return Qwen2MoeTensorsOf(c);
+    default: return MixtralTensorsOf(c);
+  }
 }
 
 void MapMoeParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
-  if (!layout.config.qk_layernorm) return MapMixtralParams(layout, params, hf, to_hf);
-  MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the attention and dense layers
-  MapMoeExperts(layout, params, hf, to_hf, kQwen3Moe);
+  switch (ClassOf(layout.config)) {
+    case MoeClass::kQwen3Moe:
+      MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the attention and dense layers
+      return MapMoeExperts(layout, params, hf, to_hf, kQwen3Moe);
+    case MoeClass::kQwen2Moe: return MapQwen2MoeParams(layout, params, hf, to_hf);
+    default: return MapMixtralParams(layout, params, hf, to_hf);
+  }
 }
 
 std::vector<std::pair<std::string, std::string>> MoeSettings(const GPTConfig& c) {
-  if (!c.qk_layernorm) return MixtralSettings(c);
+  if (ClassOf(c) == MoeClass::kMixtral) return MixtralSettings(c);
   std::vector<std::pair<std::string, std::string>> s = LlamaSettings(c);
   s.insert(s.end(), {{"--num-experts", Int(c.num_experts)},
                      {"--moe-router-topk", Int(c.moe_router_topk)},
@@ -248,17 +282,23 @@ std::vector<std::pair<std::string, std::string>> MoeSettings(const GPTConfig& c)
                      {"--moe-router-score-function", "softmax"},
                      {"--moe-router-pre-softmax", c.moe_router_pre_softmax ? "on" : "off"},
                      {"--moe-layer-freq", c.moe_layers() == c.num_layers ? "1" : LayerFreq(c)}});
+  if (c.moe_shared_expert_intermediate_size > 0)
+    s.insert(s.end(), {{"--moe-shared-expert-intermediate-size", Int(c.moe_shared_expert_intermediate_size)},
+                       {"--moe-shared-expert-gate", c.moe_shared_expert_gate ? "on" : "off"}});
   return s;
 }
 
 std::string MoeTrainFlags(const GPTConfig& c) {
-  if (!c.qk_layernorm) return MixtralTrainFlags(c);
+  if (ClassOf(c) == MoeClass::kMixtral) return MixtralTrainFlags(c);
   std::string flags =
       LlamaTrainFlags(c) + fmt::format(" --num-experts {} --moe-router-topk {} --moe-ffn-hidden-size {}", c.num_experts,
                                        c.moe_router_topk, c.moe_ffn());
   if (c.moe_aux_loss_coeff > 0) flags += fmt::format(" --moe-aux-loss-coeff {}", c.moe_aux_loss_coeff);
   if (c.moe_router_pre_softmax) flags += " --moe-router-pre-softmax";
   if (c.moe_layers() != c.num_layers) flags += fmt::format(" --moe-layer-freq \"{}\"", LayerFreq(c));
+  if (c.moe_shared_expert_intermediate_size > 0)
+    flags += fmt::format(" --moe-shared-expert-intermediate-size {}{}", c.moe_shared_expert_intermediate_size,
+                         c.moe_shared_expert_gate ? " --moe-shared-expert-gate" : "");
   return flags;
 }
 

@@ -31,7 +31,13 @@ std::string Qwen3MoeConfigJson(const GPTConfig& c, int64_t eod);
 absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                              std::vector<std::string>* notes);
 
-// A MoE model of the Llama line: Qwen3MoeForCausalLM with --qk-layernorm, MixtralForCausalLM without.
+// What Qwen3-MoE's and Qwen2-MoE's configs share: the MoE layers (Qwen3MoeDecoderLayer's rule: (N + 1) %
+// decoder_sparse_step == 0 and N not in mlp_only_layers; none refused), use_sliding_window (true refused),
+// norm_topk_prob (false: --moe-router-pre-softmax), router_aux_loss_coef (noted), refused naming the key.
+absl::Status ReadQwenMoeRouting(const HfConfigReader& r, GPTConfig* c, std::vector<std::string>* notes);
+
+// A MoE model of the Llama line: Qwen3MoeForCausalLM with --qk-layernorm, else Qwen2MoeForCausalLM with shared
+// experts, else MixtralForCausalLM.
 const char* MoeArchitecture(const GPTConfig& c);
 absl::Status CheckMoeExportable(const GPTConfig& c, const std::string& file);
 std::string MoeConfigJson(const GPTConfig& c, int64_t eod);
