@@ -419,6 +419,10 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   if (model_type == "mixtral") return hf_detail::ReadMixtralConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen3_moe") return hf_detail::ReadQwen3MoeConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen2_moe") return hf_detail::ReadQwen2MoeConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "deepseek_v3")  // multi-latent attention, e_score_correction_bias, MTP: no mapping yet
+    return r.Bad(
+        "model_type \"deepseek_v3\": ptk-convert does not read DeepSeek-V3 (multi-latent attention, "
+        "sigmoid routing with e_score_correction_bias) yet");
   return r.Bad(fmt::format(
       "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\"), Qwen3 "
       "models (model_type \"qwen3\"), Mixtral models (model_type \"mixtral\"), Qwen3-MoE models (model_type "
