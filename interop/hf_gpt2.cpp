@@ -27,6 +27,8 @@
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
 #include "interop/hf_mixtral.h"
+#include "interop/hf_qwen2_moe.h"
+#include "interop/hf_qwen3_moe.h"
 #include "interop/hf_shards.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
@@ -230,10 +232,10 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   const GPTConfig& c = ck.config;
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
-  // A mixture of experts goes to MixtralForCausalLM where it can.
+  // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can.
   const bool llama = !c.gpt3() || c.moe();
   if (c.moe()) {
-    PTK_RETURN_IF_ERROR(hf_detail::CheckMixtralExportable(c, ck.file));
+    PTK_RETURN_IF_ERROR(hf_detail::CheckMoeExportable(c, ck.file));
   } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
   }
@@ -255,11 +257,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(std::string merges_txt, ReadOrDefault(o.merge_file, Gpt2Tokenizer::DefaultMergesTxt()));
   const int64_t eod = tokenizer->eod();
 
-  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MixtralTensorsOf(c)
+  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MoeTensorsOf(c)
                                   : llama ? hf_detail::LlamaTensorsOf(c)
                                           : HfTensorsOf(c);
   if (c.moe()) {
-    hf_detail::MapMixtralParams(layout, &params, &tensors);
+    hf_detail::MapMoeParams(layout, &params, &tensors, /*to_hf=*/true);
   } else if (llama) {
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/true);
   } else {
@@ -279,7 +281,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
   HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
   if (llama) {
-    text.config = c.moe() ? hf_detail::MixtralConfigJson(c, eod) : hf_detail::LlamaConfigJson(c, eod);
+    text.config = c.moe() ? hf_detail::MoeConfigJson(c, eod) : hf_detail::LlamaConfigJson(c, eod);
     if (c.use_rope_scaling && c.max_position_embeddings <= 8192)
       s.notes.push_back(fmt::format(
           "--max-position-embeddings {} is not above Llama 3.1's original context (8192): transformers warns about "
@@ -288,7 +290,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
     if (c.hidden_dropout != 0)
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout),
-                                    c.moe()          ? "MixtralForCausalLM"
+                                    c.moe()          ? hf_detail::MoeArchitecture(c)
                                     : c.qk_layernorm ? "Qwen3ForCausalLM"
                                                      : "LlamaForCausalLM"));
   }
@@ -403,7 +405,7 @@ absl::Status ReadHfTensors(const hf_detail::HfWeights& weights, const GPTConfig&
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
 
-// config.json's model: GPT-2's (model_type "gpt2"), Llama's ("llama"), Qwen3's ("qwen3") or Mixtral's ("mixtral").
+// config.json's model: GPT-2's ("gpt2"), Llama's ("llama"), Qwen3's ("qwen3"), Mixtral's, Qwen3-MoE's ("qwen3_moe").
 absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t make_vocab_size_divisible_by,
                                        std::vector<std::string>* notes) {
   PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
@@ -415,9 +417,16 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   if (model_type == "llama") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen3") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes, /*qwen3=*/true);
   if (model_type == "mixtral") return hf_detail::ReadMixtralConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "qwen3_moe") return hf_detail::ReadQwen3MoeConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "qwen2_moe") return hf_detail::ReadQwen2MoeConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "deepseek_v3")  // multi-latent attention, e_score_correction_bias, MTP: no mapping yet
+    return r.Bad(
+        "model_type \"deepseek_v3\": ptk-convert does not read DeepSeek-V3 (multi-latent attention, "
+        "sigmoid routing with e_score_correction_bias) yet");
   return r.Bad(fmt::format(
       "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\"), Qwen3 "
-      "models (model_type \"qwen3\") and Mixtral models (model_type \"mixtral\")",
+      "models (model_type \"qwen3\"), Mixtral models (model_type \"mixtral\"), Qwen3-MoE models (model_type "
+      "\"qwen3_moe\") and Qwen2-MoE models (model_type \"qwen2_moe\")",
       model_type));
 }
 
@@ -450,7 +459,7 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
                                 c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
-                      : c.moe() ? hf_detail::MixtralTrainFlags(c)
+                      : c.moe() ? hf_detail::MoeTrainFlags(c)
                                 : hf_detail::LlamaTrainFlags(c);
   if (c.squared_relu) flags += " --squared-relu";  // relu2
   // gelu: the exact GELU, Megatron's GELU MLP without its fused kernel (--disable-bias-linear selects it too)
@@ -501,13 +510,13 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const GPTConfig& c = s.config;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   const bool llama = !c.gpt3();
-  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MixtralTensorsOf(c)
+  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MoeTensorsOf(c)
                                   : llama ? hf_detail::LlamaTensorsOf(c)
                                           : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
-  if (c.moe()) {  // MixtralForCausalLM
-    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, "Mixtral"));
-    hf_detail::MapMixtralParams(layout, &params, &tensors, /*to_hf=*/false);
+  if (c.moe()) {  // MixtralForCausalLM, Qwen3MoeForCausalLM
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, hf_detail::MoeArchitecture(c)));
+    hf_detail::MapMoeParams(layout, &params, &tensors, /*to_hf=*/false);
   } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
@@ -519,7 +528,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const std::vector<float> zeros(params.size(), 0.0f);
   TrainState state;
   state.seed = 1234;
-  state.settings = c.moe() ? hf_detail::MixtralSettings(c) : llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
+  state.settings = c.moe() ? hf_detail::MoeSettings(c) : llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
   // The divisor beside the padded vocabulary, as a run records it (Megatron's args hold
   // make_vocab_size_divisible_by): --use-checkpoint-args pads the same from it.
   const auto padded_at = std::find_if(state.settings.begin(), state.settings.end(), [](const auto& kv) {

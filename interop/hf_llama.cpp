@@ -70,7 +70,7 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
                   c.qk_layernorm ? "Qwen3ForCausalLM (--qk-layernorm)" : "LlamaForCausalLM", list));
 }
 
-std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
+std::string RopeScalingJson(const GPTConfig& c) {
   // Llama 3.x's scaling, or linear position interpolation (transformers divides the frequencies by the
   // factor where Megatron divides the positions: the same angles up to fp32 rounding).
   std::string rope_scaling = "null";
@@ -87,6 +87,11 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
   else if (c.rotary_seq_len_interpolation_factor > 0)
     rope_scaling =
         PrettyConfig({{"factor", Num(c.rotary_seq_len_interpolation_factor)}, {"rope_type", Str("linear")}}, 1);
+  return rope_scaling;
+}
+
+std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
+  const std::string rope_scaling = RopeScalingJson(c);
   const bool qwen3 = c.qk_layernorm;
   std::vector<std::pair<std::string, std::string>> fields = {
       {"architectures", qwen3 ? "[\n    \"Qwen3ForCausalLM\"\n  ]" : "[\n    \"LlamaForCausalLM\"\n  ]"},
@@ -125,14 +130,14 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
 std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
   const int64_t h = c.hidden_size, f = c.ffn_hidden_size, hd = c.head_dim(), q = c.num_attention_heads * hd,
                 kv = c.query_groups() * hd;
-  const bool bias = c.add_bias_linear;
+  const bool bias = c.add_bias_linear;  // every linear layer's; q, k and v alone with --add-qkv-bias (Qwen2-MoE)
   std::vector<HfTensor> t;
   t.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, {}});
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
     for (const auto& [name, rows] : {std::pair<const char*, int64_t>{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
       t.push_back({p + "self_attn." + name + ".weight", {rows, h}, {}});
-      if (bias) t.push_back({p + "self_attn." + name + ".bias", {rows}, {}});
+      if (c.qkv_bias()) t.push_back({p + "self_attn." + name + ".bias", {rows}, {}});
     }
     t.push_back({p + "self_attn.o_proj.weight", {h, q}, {}});
     if (bias) t.push_back({p + "self_attn.o_proj.bias", {h}, {}});
@@ -206,7 +211,7 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
         const char* proj = s < per_group ? "q_proj" : s == per_group ? "k_proj" : "v_proj";
         const int64_t at = (s < per_group ? g * per_group + s : g) * hd;
         head(p + "self_attn." + proj + ".weight", at, lp.qkv_w + row * h, h, s <= per_group);
-        if (c.add_bias_linear) head(p + "self_attn." + proj + ".bias", at, lp.qkv_b + row, 1, s <= per_group);
+        if (c.qkv_bias()) head(p + "self_attn." + proj + ".bias", at, lp.qkv_b + row, 1, s <= per_group);
       }
     copy(p + "self_attn.o_proj.weight", lp.proj_w);
     if (c.qk_layernorm) {
@@ -231,8 +236,6 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
   copy("model.norm.weight", layout.lnf_w);
   if (c.untie_embeddings_and_output_weights) vocab("lm_head.weight", layout.out_w);
 }
-
-namespace {
 
 // Qwen3's attention is causal over the whole sequence when use_sliding_window is false, as ptk's. Newer
 // transformers name each layer's kind in layer_types; any but "full_attention" is refused. transformers
@@ -267,6 +270,8 @@ absl::Status ReadQwen3Attention(const HfConfigReader& r, const GPTConfig& c, std
         window, window));
   return absl::OkStatus();
 }
+
+namespace {
 
 // Qwen3Config's dimensions (absent keys: its defaults); head_dim any width (Megatron's --kv-channels).
 absl::Status ReadQwen3Dims(const HfConfigReader& r, GPTConfig* c) {
@@ -408,6 +413,24 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
 
 }  // namespace
 
+absl::Status ReadLlamaCommon(const HfConfigReader& r, GPTConfig* c) {
+  std::string_view act;
+  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
+  if (act != "silu")
+    return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
+  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c->layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c->attention_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c->init_method_std, 0, true, kMaxInitMethodStd, false));
+  c->hidden_dropout = 0.0;  // LlamaForCausalLM has none
+  double partial = 1.0;
+  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
+  if (partial != 1.0)
+    return r.Bad(
+        fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
+  PTK_RETURN_IF_ERROR(ReadRope(r, c));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3) {
   GPTConfig c;
@@ -429,20 +452,7 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   } else {
     PTK_RETURN_IF_ERROR(ReadLlamaDims(r, make_vocab_size_divisible_by, &c, &head_dim, &tie));
   }
-  std::string_view act;
-  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
-  if (act != "silu")
-    return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
-  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
-  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c.attention_dropout, 0, false, 1, true));
-  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
-  c.hidden_dropout = 0.0;  // LlamaForCausalLM has none
-  double partial = 1.0;
-  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
-  if (partial != 1.0)
-    return r.Bad(
-        fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
-  PTK_RETURN_IF_ERROR(ReadRope(r, &c));
+  PTK_RETURN_IF_ERROR(ReadLlamaCommon(r, &c));
   // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
   const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(head_dim),
                implied = static_cast<double>(c.num_layers) *
@@ -501,7 +511,7 @@ std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& 
       {"--num-query-groups", Int(c.query_groups())},
       {"--kv-channels", Int(c.head_dim())},
       {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
-      {"--add-qkv-bias", "off"},
+      {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
       {"--hidden-dropout", SettingNum(c.hidden_dropout)},
       {"--attention-dropout", SettingNum(c.attention_dropout)},
@@ -526,6 +536,7 @@ std::string LlamaTrainFlags(const GPTConfig& c) {
   if (c.rotary_seq_len_interpolation_factor > 0)
     flags += " --rotary-seq-len-interpolation-factor " + SettingNum(c.rotary_seq_len_interpolation_factor);
   if (c.qk_layernorm) flags += " --qk-layernorm";
+  if (c.add_qkv_bias && !c.add_bias_linear) flags += " --add-qkv-bias";  // Qwen2-MoE's qkv_bias
   return flags;
 }
 

@@ -40,6 +40,19 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3 = false);
 
+// What the Llama line's readers share (Llama, Qwen3, Qwen3-MoE): hidden_act (silu only), rms_norm_eps,
+// attention_dropout, initializer_range, partial_rotary_factor (1 only), rope_theta and rope_scaling (or
+// rope_parameters) as ptk computes them; hidden_dropout 0. Refused naming the key.
+absl::Status ReadLlamaCommon(const HfConfigReader& r, GPTConfig* c);
+
+// Qwen3's attention keys: use_sliding_window true and a layer_types entry but "full_attention" refused; a
+// sliding_window below max_position_embeddings noted (transformers 4.51's Qwen3 masks past it).
+absl::Status ReadQwen3Attention(const HfConfigReader& r, const GPTConfig& c, std::vector<std::string>* notes);
+
+// config.json's rope_scaling for `c`: null, Llama 3.x's (--use-rope-scaling) or linear
+// (--rotary-seq-len-interpolation-factor), indented as a value of the top-level object.
+std::string RopeScalingJson(const GPTConfig& c);
+
 // The directory's weights (model.safetensors or its shards): every tensor `tensors` names with its
 // shape and finite values, nothing else (rotary inv_freq buffers aside; a tied model's lm_head.weight
 // only as a copy of the embedding). `model` names the model in a refusal of a tensor it has no place for.

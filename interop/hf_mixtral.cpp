@@ -3,6 +3,8 @@
 #include "interop/hf_mixtral.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <map>
 
 #include <fmt/core.h>
@@ -95,28 +97,30 @@ std::string MixtralConfigJson(const GPTConfig& c, int64_t eod) {
   });
 }
 
-std::vector<HfTensor> MixtralTensorsOf(const GPTConfig& c) {
+std::vector<HfTensor> MoeTensorsOf(const GPTConfig& c, const ExpertNames& n) {
   const int64_t h = c.hidden_size, f = c.moe_ffn();
   std::vector<HfTensor> t;
-  for (HfTensor& x : LlamaTensorsOf(c)) {  // the layers without their MLP
-    const std::string name = x.name;
-    t.push_back(std::move(x));
-    constexpr std::string_view kAfter = ".self_attn.o_proj.weight";  // Mixtral registers the MoE block next
-    if (name.size() < kAfter.size() || name.compare(name.size() - kAfter.size(), kAfter.size(), kAfter) != 0) continue;
-    const std::string p = name.substr(0, name.size() - kAfter.size()) + ".block_sparse_moe.";
-    t.push_back({p + "gate.weight", {c.num_experts, h}, {}});
-    for (int64_t j = 0; j < c.num_experts; ++j) {
-      const std::string e = fmt::format("{}experts.{}.", p, j);
-      t.push_back({e + "w1.weight", {f, h}, {}});
-      t.push_back({e + "w2.weight", {h, f}, {}});
-      t.push_back({e + "w3.weight", {f, h}, {}});
+  for (HfTensor& x : LlamaTensorsOf(c)) {  // the layers without their MoE blocks
+    int64_t l = -1;
+    int end = 0;  // set only where the whole pattern matched
+    if (std::sscanf(x.name.c_str(), "model.layers.%" SCNd64 ".input_layernorm.weight%n", &l, &end) == 1 &&
+        end == static_cast<int>(x.name.size()) && c.moe_layer(l)) {
+      // The MoE block, registered after the attention (and its norms): the router, then each expert.
+      const std::string p = fmt::format("model.layers.{}.{}", l, n.block);
+      t.push_back({p + "gate.weight", {c.num_experts, h}, {}});
+      for (int64_t j = 0; j < c.num_experts; ++j)
+        for (const std::string* w : {&n.first, &n.second, &n.third}) {
+          const bool down = *w == n.down;
+          t.push_back({fmt::format("{}experts.{}.{}.weight", p, j, *w), {down ? h : f, down ? f : h}, {}});
+        }
     }
+    t.push_back(std::move(x));
   }
   return t;
 }
 
-void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
-  MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the dense parts either way
+void MapMoeExperts(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf,
+                   const ExpertNames& n) {
   const GPTConfig& c = layout.config;
   const int64_t h = c.hidden_size, f = c.moe_ffn();
   std::map<std::string, HfTensor*> by_name;
@@ -131,17 +135,30 @@ void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std
     }
   };
   for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (!c.moe_layer(l)) continue;
     const LayerParams& lp = layout.layers[static_cast<size_t>(l)];
-    const std::string p = fmt::format("model.layers.{}.block_sparse_moe.", l);
+    const std::string p = fmt::format("model.layers.{}.{}", l, n.block);
     copy(p + "gate.weight", lp.router_w);
     for (int64_t j = 0; j < c.num_experts; ++j) {
       const int64_t fc1 = lp.experts + j * c.expert_floats(), fc2 = fc1 + 2 * f * h;
       const std::string e = fmt::format("{}experts.{}.", p, j);
-      copy(e + "w1.weight", fc1);  // linear_fc1's rows: [gate; up]
-      copy(e + "w3.weight", fc1 + f * h);
-      copy(e + "w2.weight", fc2);
+      copy(e + n.gate + ".weight", fc1);  // linear_fc1's rows: [gate; up]
+      copy(e + n.up + ".weight", fc1 + f * h);
+      copy(e + n.down + ".weight", fc2);
     }
   }
+}
+
+namespace {
+// Mixtral's names: block_sparse_moe.experts.J.w1 (gate), w2 (down), w3 (up), registered in that order.
+const ExpertNames kMixtral{"block_sparse_moe.", "w1", "w3", "w2", "w1", "w2", "w3"};
+}  // namespace
+
+std::vector<HfTensor> MixtralTensorsOf(const GPTConfig& c) { return MoeTensorsOf(c, kMixtral); }
+
+void MapMixtralParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
+  MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the dense parts either way
+  MapMoeExperts(layout, params, hf, to_hf, kMixtral);
 }
 
 namespace {

@@ -24,6 +24,21 @@ absl::Status CheckMixtralExportable(const GPTConfig& c, const std::string& file)
 // config.json of MixtralForCausalLM for `c` (vocab_size: the tokenizer's), `eod` the BOS/EOS id.
 std::string MixtralConfigJson(const GPTConfig& c, int64_t eod);
 
+// A MoE block's names in an HF class: the block's prefix in a layer ("block_sparse_moe.", "mlp."), each expert's
+// gate, up and down projections, and the three in the order the class registers them (its state_dict's).
+struct ExpertNames {
+  std::string block, gate, up, down, first, second, third;
+};
+
+// The Llama line's tensors of `c` (LlamaTensorsOf's) with, in each MoE layer after its attention, the router
+// (`block`gate.weight, num_experts x hidden) and each expert's three projections, shapes set, data empty.
+std::vector<HfTensor> MoeTensorsOf(const GPTConfig& c, const ExpertNames& names);
+
+// Between ptk's MoE layers and MoeTensorsOf's tensors (already sized when `to_hf`): the router as
+// `block`gate, each expert's linear_fc1 rows [gate; up] as its gate and up projections, linear_fc2 as down.
+void MapMoeExperts(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf,
+                   const ExpertNames& names);
+
 // HF's tensors of `c` in MixtralForCausalLM's state_dict order (each layer's block_sparse_moe.gate and
 // experts.J.w1, w2, w3 after its attention), full names, shapes set, data empty.
 std::vector<HfTensor> MixtralTensorsOf(const GPTConfig& c);

@@ -123,7 +123,8 @@ absl::Status CheckDirectionFlags(const ptk::ConvertOptions& o, bool max_shard_si
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
       "ptk-convert",
-      "Convert a ptk checkpoint to a Hugging Face GPT-2, Llama, Qwen3 or Mixtral directory (--loader ptk "
+      "Convert a ptk checkpoint to a Hugging Face GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE or Qwen2-MoE directory "
+      "(--loader ptk "
       "--saver hf) or a Megatron checkpoint "
       "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
   ptk::ConvertOptions o;

@@ -10,6 +10,7 @@ take the build's bin directory and the test binaries' directory as their argumen
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -158,9 +159,10 @@ def check_finetune(out, ckin):
     check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
     if not flags:
         return None
-    tr = train_from_import(flags.group(1).split(), ckin, "--finetune")
+    # as a shell reads them: --moe-layer-freq "[0,1]" is quoted
+    tr = train_from_import(shlex.split(flags.group(1)), ckin, "--finetune")
     check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
-    return flags.group(1).split()
+    return shlex.split(flags.group(1))
 
 
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""The golden of ptk-convert's Qwen2MoeForCausalLM import (tests/interop/hf_qwen2_moe_convert_test.cpp,
+HfQwen2MoeGolden): a tiny random Qwen2MoeForCausalLM made and saved by Hugging Face transformers itself, and its
+logits and loss on fixed tokens.
+
+Run with transformers 4.51.3 on Debian's torch 1.13 with tests/support/torch2_shim.py
+(scripts/install-deps.sh --with-python-ref puts it in /opt/ptk-pyref/transformers-qwen3):
+  PYTHONPATH=tests/support:/opt/ptk-pyref/transformers-qwen3:/opt/ptk-pyref /usr/bin/python3 \
+    tests/support/gen_qwen2_moe_hf_golden.py tests/data/interop/qwen2_moe_tiny
+Writes OUT/config.json and OUT/model.safetensors (save_pretrained, fp32) and OUT/golden.json: the token sequences,
+each one's logits (t x vocab_size, float32 values as float64 text) and its mean next-token cross-entropy loss.
+
+The model: 3 layers, the first dense (mlp_only_layers [0], intermediate_size 20), the others 4 SwiGLU experts of
+moe_intermediate_size 12, top 2, norm_topk_prob true (the chosen softmax probabilities renormalised: Megatron's
+default softmax over the top k's logits) and a shared expert of shared_expert_intermediate_size 10 scaled by
+sigmoid(shared_expert_gate) (Megatron's --moe-shared-expert-gate); hidden 16, 4 query heads in 2 key/value groups,
+q, k and v biased (qkv_bias, Megatron's --add-qkv-bias), RoPE base 10000, untied output layer, vocabulary 96;
+weights N(0, 0.2) (initializer_range), the biases and RMSNorm weights moved off their 0 and 1 init so that they are
+tested too.
+"""
+import json
+import os
+import sys
+
+import torch2_shim
+
+torch2_shim.install()
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM  # noqa: E402
+
+SEQS = [[3, 17, 41, 88, 5, 60, 2, 95, 33],
+        [int(x) for x in torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(7))]]
+
+
+def main(out):
+    assert transformers.__version__ == "4.51.3", transformers.__version__
+    torch.manual_seed(48)
+    config = Qwen2MoeConfig(vocab_size=96, hidden_size=16, intermediate_size=20, moe_intermediate_size=12,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True,
+                            max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            shared_expert_intermediate_size=10,
+                            mlp_only_layers=[0], router_aux_loss_coef=0.02, tie_word_embeddings=False,
+                            bos_token_id=1, eos_token_id=2)
+    model = Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))  # norms from 1, biases from 0
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for extra in ("generation_config.json",):  # not read by the import: kept out of the fixture
+        if os.path.exists(os.path.join(out, extra)):
+            os.remove(os.path.join(out, extra))
+    golden = {"transformers": transformers.__version__, "torch": torch.__version__, "sequences": []}
+    for seq in SEQS:
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            res = model(ids, labels=ids, use_cache=False)
+        logits = res.logits[0]
+        golden["sequences"].append({"tokens": seq, "loss": float(res.loss),
+                                    "logits": [float(x) for x in logits.reshape(-1)]})
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump(golden, f, separators=(",", ":"))
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
