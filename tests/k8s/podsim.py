@@ -234,7 +234,8 @@ class Sim:
 
     @staticmethod
     def group_processes(pgid):
-        """The processes of process group pgid (a pod's container) as (pid, comm, state, wchan)."""
+        """The processes of process group pgid (a pod's container) as (pid, comm, state, wchan): what a
+        failure message shows of a pod that did not end (T: stopped, D: in uninterruptible I/O, Z: a zombie)."""
         out = []
         for pid in os.listdir("/proc"):
             try:
@@ -247,6 +248,15 @@ class Sim:
             except OSError:
                 continue
         return out
+
+    def snapshot(self, pods):
+        """One line per pod that is still up, with its processes, for a failure message."""
+        lines = []
+        for p in pods:
+            procs = self.group_processes(p.proc.pid) if p.proc is not None else []
+            lines.append(f"  {p.name}: " + (", ".join(f"{c} (pid {i}, state {s}, wchan {w})" for i, c, s, w in procs)
+                                            or ("not started" if p.proc is None else "no process left")))
+        return "\n".join(lines)
 
     def kill(self, pod, disruption=False):
         """SIGKILL the pod's container (its process group), as an OOM kill, a lost node or an eviction."""
@@ -390,9 +400,10 @@ class Sim:
                     self.kill(p)
             if time.time() > deadline:
                 with lock:
+                    up = self.snapshot(running.values())
                     for p in running.values():
                         self.kill(p)
-                raise TimeoutError(f"job {name} did not finish within {timeout} s")
+                raise TimeoutError(f"job {name} did not finish within {timeout} s; pods still up:\n{up}")
             time.sleep(0.05)
         for t in threads:
             t.join()
@@ -450,9 +461,10 @@ class Sim:
                 for p in chaos(running) or []:
                     self.kill(p)
             if time.time() > deadline:
+                up = self.snapshot(running)
                 for p in running:
                     self.kill(p)
-                raise TimeoutError(f"PyTorchJob {name} did not finish within {timeout} s")
+                raise TimeoutError(f"PyTorchJob {name} did not finish within {timeout} s; pods still up:\n{up}")
             time.sleep(0.05)
         ok = all(rc == 0 for rc in results.values())
         return {"succeeded": ok, "pods": pods, "exit_codes": results}
