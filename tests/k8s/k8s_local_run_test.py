@@ -51,13 +51,40 @@ def say(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
+# Where a failed run leaves its pods' logs and the volume's listing (the work directory is removed): beside the
+# build's bin/, which CI keeps with the build tree.
+ARTIFACTS = os.path.join(os.path.dirname(BIN), "k8s_local_run_test-failure")
+shutil.rmtree(ARTIFACTS, ignore_errors=True)  # an earlier run's
+
+
+def keep_for_diagnosis():
+    """The pods' logs and a listing of the volume (every file with its size: what each stage left, resume
+    records, locks, temporaries), copied to ARTIFACTS."""
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    try:
+        shutil.copytree(os.path.join(WORK, "pods"), os.path.join(ARTIFACTS, "pods"),
+                        ignore=shutil.ignore_patterns("pod-cwd-*"))
+        with open(os.path.join(ARTIFACTS, "volume.txt"), "w") as out:
+            for f in sorted(os.path.join(d, n) for d, dirs, files in os.walk(VOL) for n in dirs + files):
+                st = os.lstat(f)
+                out.write(f"{st.st_size:>12} {time.strftime('%H:%M:%S', time.localtime(st.st_mtime))} "
+                          f"{os.path.relpath(f, VOL)}\n")
+        print(f"pod logs and the volume's listing kept in {ARTIFACTS}")
+    except OSError as e:
+        print(f"could not keep the pods' logs in {ARTIFACTS}: {e}")
+
+
 def fail(msg, sim=None):
     print(f"FAIL: {msg}", flush=True)
     if sim is not None:
-        for t, pod, what in sim.events[-40:]:
+        for t, pod, what in sim.events[-60:]:
             print(f"  event {t - T0:6.1f}s {pod}: {what}")
-        for log in sorted(glob.glob(os.path.join(sim.log_dir, "*.log")))[-6:]:
+        # The tails of the 8 logs written last (the failed job's pods').
+        logs = sorted(glob.glob(os.path.join(sim.log_dir, "*.log")), key=os.path.getmtime)[-8:]
+        for log in logs:
             print(f"---- {log}\n" + open(log, errors="replace").read()[-3000:])
+    if os.path.isdir(os.path.join(WORK, "pods")):
+        keep_for_diagnosis()
     sys.exit(1)
 
 
@@ -435,6 +462,8 @@ try:
         "exited 143 and the Worker 75, each restart resumed from the latest checkpoint: iterations 1..60 all logged; checkpoints "
         "20/40/60 (weights, moments, state) bit-identical to the uninterrupted run's")
     print(f"k8s local run: OK ({time.time() - T0:.0f} s)")
+except TimeoutError as e:  # a Job that did not finish: its pods' processes, events and logs, kept
+    fail(str(e), sim)
 finally:
     hub.kill()
     hub.wait()

@@ -192,12 +192,14 @@ class Sim:
             for ic in spec.get("initContainers", []):
                 p = self.start(pod, ic, ic["name"])
                 rc = p.wait()
+                self.end_container(pod, p)
                 if rc != 0:
                     break
             if rc == 0:
                 pod.proc = self.start(pod, containers[0], containers[0]["name"])
                 self.event(pod, "started")
                 rc = pod.proc.wait()
+                self.end_container(pod, pod.proc)
                 if rc < 0:
                     rc = 128 - rc  # a container killed by signal N exits 128 + N
             pod.exit_code = rc
@@ -209,11 +211,60 @@ class Sim:
             pod.killed = False
             self.event(pod, "restarted in place")
 
+    def end_container(self, pod, proc, bound=60):
+        """A container ends with its first process: the runtime then kills what is left of it (its PID
+        namespace goes), and the pod ends, and a replacement may start (podReplacementPolicy Failed), only
+        once all of its processes are gone. Here the rest of the process group is SIGKILLed and waited
+        for (at most `bound` seconds: then the failure's events say what was left). Without it a
+        replacement could start while a killed container's ptk-tokenize was still exiting (it outlives the
+        shell it is killed with in most kills), its output's lock still held: two pods on one index's files."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        until = time.time() + bound
+        while True:  # zombies are gone for this purpose (their files are closed); init reaps them
+            left = [x for x in self.group_processes(proc.pid) if x[2] not in ("Z", "X")]
+            if not left:
+                return
+            if time.time() > until:
+                self.event(pod, f"processes left {bound} s after its container ended: {left}")
+                return
+            time.sleep(0.01)
+
+    @staticmethod
+    def group_processes(pgid):
+        """The processes of process group pgid (a pod's container) as (pid, comm, state, wchan): what a
+        failure message shows of a pod that did not end (T: stopped, D: in uninterruptible I/O, Z: a zombie)."""
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                if not pid.isdigit() or os.getpgid(int(pid)) != pgid:
+                    continue
+                comm = open(f"/proc/{pid}/comm", errors="replace").read().strip()
+                state = open(f"/proc/{pid}/stat", errors="replace").read().rsplit(")", 1)[1].split()[0]
+                wchan = open(f"/proc/{pid}/wchan", errors="replace").read().strip() or "-"
+                out.append((int(pid), comm, state, wchan))
+            except OSError:
+                continue
+        return out
+
+    def snapshot(self, pods):
+        """One line per pod that is still up, with its processes, for a failure message."""
+        lines = []
+        for p in pods:
+            procs = self.group_processes(p.proc.pid) if p.proc is not None else []
+            lines.append(f"  {p.name}: " + (", ".join(f"{c} (pid {i}, state {s}, wchan {w})" for i, c, s, w in procs)
+                                            or ("not started" if p.proc is None else "no process left")))
+        return "\n".join(lines)
+
     def kill(self, pod, disruption=False):
         """SIGKILL the pod's container (its process group), as an OOM kill, a lost node or an eviction."""
         pod.killed = True
         pod.disrupted = disruption
         self.event(pod, "killed" + (" (DisruptionTarget)" if disruption else ""))
+        if pod.proc is None:  # not started yet (its thread is still starting it)
+            return
         try:
             os.killpg(pod.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -290,7 +341,13 @@ class Sim:
             return "Count"
 
         def worker(pod):
-            rc = self.run_containers(pod, restart == "OnFailure")
+            try:
+                rc = self.run_containers(pod, restart == "OnFailure")
+            except Exception as e:  # the simulator's own failure (a pod not started): the job ends, saying why,
+                with lock:  # rather than waiting for a pod that no thread runs any more
+                    del running[pod.index]
+                    job_failed[0] = f"simulator error in pod {pod.name}: {type(e).__name__}: {e}"
+                return
             with lock:
                 del running[pod.index]
                 if rc == 0:
@@ -343,9 +400,10 @@ class Sim:
                     self.kill(p)
             if time.time() > deadline:
                 with lock:
+                    up = self.snapshot(running.values())
                     for p in running.values():
                         self.kill(p)
-                raise TimeoutError(f"job {name} did not finish within {timeout} s")
+                raise TimeoutError(f"job {name} did not finish within {timeout} s; pods still up:\n{up}")
             time.sleep(0.05)
         for t in threads:
             t.join()
@@ -388,7 +446,10 @@ class Sim:
         results = {}
 
         def worker(pod):
-            results[pod.name] = self.run_containers(pod, pod.policy in ("OnFailure", "Always"))
+            try:
+                results[pod.name] = self.run_containers(pod, pod.policy in ("OnFailure", "Always"))
+            except Exception as e:  # the simulator's own failure: the job fails saying why
+                results[pod.name] = f"simulator error: {type(e).__name__}: {e}"
 
         threads = [threading.Thread(target=worker, args=(p,), daemon=True) for p in pods]
         for t in threads:
@@ -400,9 +461,10 @@ class Sim:
                 for p in chaos(running) or []:
                     self.kill(p)
             if time.time() > deadline:
+                up = self.snapshot(running)
                 for p in running:
                     self.kill(p)
-                raise TimeoutError(f"PyTorchJob {name} did not finish within {timeout} s")
+                raise TimeoutError(f"PyTorchJob {name} did not finish within {timeout} s; pods still up:\n{up}")
             time.sleep(0.05)
         ok = all(rc == 0 for rc in results.values())
         return {"succeeded": ok, "pods": pods, "exit_codes": results}
