@@ -17,6 +17,21 @@ function(ptk_add_tool name source)
   install(TARGETS ${name} RUNTIME DESTINATION bin)
 endfunction()
 
+# The tests' precompiled header (tests/test_pch.h), built once by an object library whose compile
+# options are the tests' own (the same directory, definitions and GoogleTest), reused by every test.
+# It holds no header whose meaning depends on a definition that only some tests have (fmt's
+# FMT_SHARED, simdjson's threads): GCC would reject the header for those (-Winvalid-pch says so).
+macro(ptk_test_pch)
+  if(NOT TARGET ptk_test_pch)
+    add_library(ptk_test_pch OBJECT ${PROJECT_SOURCE_DIR}/tests/test_pch.cpp)
+    target_link_libraries(ptk_test_pch PRIVATE GTest::gtest GTest::gmock)
+    target_include_directories(ptk_test_pch PRIVATE ${PROJECT_SOURCE_DIR})
+    target_compile_definitions(ptk_test_pch PRIVATE
+      PTK_SOURCE_DIR="${PROJECT_SOURCE_DIR}" PTK_BINARY_DIR="${PROJECT_BINARY_DIR}")
+    target_precompile_headers(ptk_test_pch PRIVATE ${PROJECT_SOURCE_DIR}/tests/test_pch.h)
+  endif()
+endmacro()
+
 # ptk_add_test(NAME SOURCES... DEPS... LABELS...) -> gtest binary registered with CTest
 function(ptk_add_test name)
   cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
@@ -26,6 +41,10 @@ function(ptk_add_test name)
   target_compile_definitions(${name} PRIVATE
     PTK_SOURCE_DIR="${PROJECT_SOURCE_DIR}" PTK_BINARY_DIR="${PROJECT_BINARY_DIR}")
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  if(PTK_PRECOMPILED_HEADERS)
+    ptk_test_pch()
+    target_precompile_headers(${name} REUSE_FROM ptk_test_pch)
+  endif()
   add_test(NAME ${name} COMMAND ${name})
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 600)
@@ -50,6 +69,10 @@ function(ptk_add_gpu_test name)
   target_link_libraries(${name} PRIVATE ${A_DEPS} CUDA::cudart GTest::gtest GTest::gmock)
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR})
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  if(PTK_PRECOMPILED_HEADERS)
+    ptk_test_pch()
+    target_precompile_headers(${name} REUSE_FROM ptk_test_pch)
+  endif()
   add_test(NAME ${name} COMMAND ${name})
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 600)
