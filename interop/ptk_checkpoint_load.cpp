@@ -89,7 +89,8 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
                     "checkpoints (neither --saver hf nor --saver megatron)",
                     file, mtp));
   std::string_view window, softmax;  // ptk-train's CPU sliding window attention and softmax types
-  if (!m["window_size"].get(window) || !m["softmax_type"].get(softmax))
+  const bool windowed = !m["window_size"].get(window), sink = !m["softmax_type"].get(softmax);
+  if (windowed || sink)
     return absl::UnimplementedError(fmt::format(
         "{}: a model with --window-size or --softmax-type (window_size '{}', softmax_type '{}'): ptk-convert does not "
         "export them (neither --saver hf nor --saver megatron)",
