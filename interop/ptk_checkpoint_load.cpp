@@ -88,6 +88,13 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
         fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}): ptk-convert does not export MTP "
                     "checkpoints (neither --saver hf nor --saver megatron)",
                     file, mtp));
+  std::string_view window, softmax;  // ptk-train's CPU sliding window attention and softmax types
+  const bool windowed = !m["window_size"].get(window), sink = !m["softmax_type"].get(softmax);
+  if (windowed || sink)
+    return absl::UnimplementedError(fmt::format(
+        "{}: a model with --window-size or --softmax-type (window_size '{}', softmax_type '{}'): ptk-convert does not "
+        "export them (neither --saver hf nor --saver megatron)",
+        file, window, softmax));
   if (!m["num_experts"].get(c.num_experts) && !ReadMoeHeader(m, &c))  // ptk-train's MoE layers
     return bad("the header's description of the mixture of experts misses a field or has a bad one");
   if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only

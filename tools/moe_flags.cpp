@@ -337,4 +337,9 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
       f.moe.num_experts));
 }
 
+// Megatron's list patterns, for the other layer-pattern flags (--window-attn-skip-freq).
+bool train_flags::ParseLayerPattern(const std::string& text, std::vector<int>* out) {
+  return PatternParser(text).Parse(out);
+}
+
 }  // namespace ptk

@@ -76,6 +76,8 @@ std::optional<std::string> GivenValue(const CLI::App& app, const TrainFlags& f, 
   }
   const CLI::Option* opt = app.get_option(flag);
   if (opt->count() == 0) return std::nullopt;
+  if (flag == "--window-size" || flag == "--window-attn-skip-freq")  // as the checkpoint writes them
+    return CanonicalAttentionVariantValue(flag, opt->as<std::string>(), f.options.model.num_layers);
   return IsSwitch(flag) ? std::string("on") : opt->as<std::string>();
 }
 
@@ -182,6 +184,13 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
   if (flag == "--rope-type") {
     if (value != "rope" && value != "yarn") return bad();
     f->mla.rope_type = value;
+  }
+  // Sliding window attention's, as the checkpoint writes them ("W,0"; the layer pattern, "[1,0,1]").
+  if (flag == "--window-size") f->attn.window_size = value;
+  if (flag == "--window-attn-skip-freq") f->attn.window_attn_skip_freq = value;
+  if (flag == "--softmax-type") {
+    if (value != "vanilla" && value != "off-by-one" && value != "learnable") return bad();
+    f->attn.softmax_type = value;
   }
   if (flag == "--moe-layer-freq") f->moe.layer_freq = value;  // its written pattern, "[1,0,1]"
   if (flag == "--moe-router-topk-scaling-factor") {           // empty: none
@@ -332,6 +341,8 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
     if (it == ckpt.end()) {
       if (flag.starts_with("--moe-") || flag == "--num-experts") continue;  // a dense model's checkpoint
       if (IsMlaFlag(flag)) continue;                                        // one without multi-latent attention
+      if (flag == "--window-size" || flag == "--window-attn-skip-freq" || flag == "--softmax-type")
+        continue;  // one without a sliding window (a vanilla softmax)
       if (!given && IsRequired(flag))
         return UsageError(
             fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: give it",

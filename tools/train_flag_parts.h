@@ -85,6 +85,11 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--mscale-all-dim",
     // A multi-token prediction checkpoint's depth count (its loss factor is a training setting, not taken).
     "--mtp-num-layers",
+    // Sliding window attention's and the softmax type (recorded only where set; Megatron's load_args_from_checkpoint
+    // takes none of them; ptk takes them as the shape flags).
+    "--window-size",
+    "--window-attn-skip-freq",
+    "--softmax-type",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
 // one the command line gives. The others (Megatron's shape flags, which it takes only where the
@@ -134,5 +139,7 @@ void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::s
 absl::Status ResolveParamGroups(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes);
 // A note for each compatibility flag given: "--flag [value]: accepted, why it changes nothing".
 void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes);
+// Megatron's moe_freq_type list pattern ("[1,0,1]", "([1]*3+[0])*2") into its entries (moe_flags.cpp).
+bool ParseLayerPattern(const std::string& text, std::vector<int>* out);
 
 }  // namespace ptk::train_flags

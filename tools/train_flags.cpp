@@ -73,6 +73,7 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   AddMoeFlags(app, f);
   AddMlaFlags(app, f);
   AddMtpFlags(app, f);
+  AddAttentionVariantFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }
 

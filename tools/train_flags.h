@@ -118,6 +118,10 @@ struct TrainFlags {
     double loss_scaling_factor = 0.1;
     bool standalone = false;
   } mtp;
+  // Megatron's sliding window attention and softmax type (attention_variant_flags.cpp): empty, not given.
+  struct AttentionVariant {
+    std::string window_size, window_attn_skip_freq, softmax_type;
+  } attn;
   // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
   // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch groups.
@@ -159,6 +163,14 @@ absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& flags, Device devic
 void AddMtpFlags(CLI::App* app, TrainFlags* flags);
 absl::Status ResolveMtpFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
 absl::Status RefuseMtpCombinations(const TrainFlags& flags, Device device);
+// Megatron's --window-size, --window-attn-skip-freq and --softmax-type (attention_variant_flags.cpp), added by
+// AddTrainFlags; their settings into `model` (after --num-layers); the parallelism, models and device they do not
+// run with, refused naming them. CanonicalAttentionVariantValue: a given --window-size or --window-attn-skip-freq
+// as a checkpoint's settings write it ("W,0"; a pattern of `layers` entries), for --use-checkpoint-args.
+void AddAttentionVariantFlags(CLI::App* app, TrainFlags* flags);
+absl::Status ResolveAttentionVariantFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
+absl::Status RefuseAttentionVariantCombinations(const TrainFlags& flags, Device device);
+std::string CanonicalAttentionVariantValue(const std::string& flag, const std::string& given, int64_t layers);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

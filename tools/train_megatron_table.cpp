@@ -155,8 +155,7 @@ constexpr Group kGroups[] = {
      "--attention-output-gate --dsa-indexer-head-dim= --dsa-indexer-loss-coeff= --dsa-indexer-n-heads= "
      "--dsa-indexer-topk= --dsa-indexer-use-sparse-loss --experimental-attention-variant= "
      "--linear-attention-freq= --linear-conv-kernel-dim= --linear-key-head-dim= "
-     "--linear-num-key-heads= --linear-num-value-heads= --linear-value-head-dim= --qk-l2-norm "
-     "--softmax-type= --window-attn-skip-freq= --window-size="},
+     "--linear-num-key-heads= --linear-num-value-heads= --linear-value-head-dim= --qk-l2-norm"},
     {true, "heterogeneous layer configurations are not implemented; every layer has the same shape",
      "--heterogeneous-layers-config-encoded-json= --heterogeneous-layers-config-path="},
     {true, "fp8 and fp4 training are not implemented; use --bf16 or --fp16 on a GPU",

@@ -233,6 +233,7 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
   PTK_RETURN_IF_ERROR(ResolveMoeFlags(f, &m, notes));
   PTK_RETURN_IF_ERROR(ResolveMlaFlags(f, &m, notes));
   PTK_RETURN_IF_ERROR(ResolveMtpFlags(f, &m, notes));
+  PTK_RETURN_IF_ERROR(ResolveAttentionVariantFlags(f, &m, notes));
   NoteRotaryFlags(m, notes);
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
@@ -484,6 +485,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(RefuseMoeDevice(f, device));
   PTK_RETURN_IF_ERROR(RefuseMlaParallelismAndDevice(f, device));
   PTK_RETURN_IF_ERROR(RefuseMtpCombinations(f, device));
+  PTK_RETURN_IF_ERROR(RefuseAttentionVariantCombinations(f, device));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

@@ -129,6 +129,14 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");
   if (config.mtp_num_layers > 0 && backend.context_comm && backend.context_comm->size() > 1)
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
+  const bool variant = config.window_left >= 0 || config.softmax_sink();
+  if (variant && backend.device != Device::kCpu)
+    return absl::UnimplementedError(
+        "window_left / softmax_type: sliding window attention and the softmax types run "
+        "on the CPU backend");
+  if (variant && backend.context_comm && backend.context_comm->size() > 1)
+    return absl::UnimplementedError(
+        "window_left / softmax_type: sliding window attention and the softmax types run on one context rank");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(

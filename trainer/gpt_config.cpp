@@ -18,6 +18,14 @@ absl::Status GPTConfig::Validate() const {
   auto at_least_1 = [&](const char* name, int64_t v) { return bad(fmt::format("{} {}: must be at least 1", name, v)); };
   if (num_layers < 1) return at_least_1("num_layers", num_layers);
   PTK_RETURN_IF_ERROR(ValidateMtpConfig(*this));
+  if (softmax_type != "vanilla" && softmax_type != "off-by-one" && softmax_type != "learnable")
+    return bad("softmax_type " + softmax_type + ": vanilla, off-by-one or learnable");
+  if (window_left < -1) return bad(fmt::format("window_left {}: at least 0 (or -1: no window)", window_left));
+  if (!window_pattern.empty() && static_cast<int64_t>(window_pattern.size()) != num_layers)
+    return bad(fmt::format("window_pattern has {} entries for num_layers {}: one per layer", window_pattern.size(),
+                           num_layers));
+  if ((window_left >= 0 || softmax_type != "vanilla") && (mla() || mtp_num_layers > 0))
+    return bad("window_left / softmax_type with multi_latent_attention or mtp_num_layers: not implemented");
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
   if (kv_channels < 0)

@@ -15,6 +15,15 @@ struct AttentionShape {
   // the scores' scale (0: 1 / sqrt(hd); MLA's is mscale^2 / sqrt(hd)).
   int64_t vd = 0;
   double scale = 0;
+  // Megatron's sliding window attention (--window-size W,0 on this layer, CPU ops only): the row at
+  // position i attends keys max(0, i - window)..i; -1: keys 0..i (no window).
+  int64_t window = -1;
+  // Megatron's softmax offset (--softmax-type, CPU ops only): null, the vanilla softmax; else per head
+  // (this rank's) a logit beside each row's scores in its softmax, dropped after it (Megatron's
+  // SoftmaxOne: off-by-one's zeros, learnable's softmax_offset parameter). dsink: where backward adds the
+  // offset's gradient (null: none wanted).
+  const float* sink = nullptr;
+  float* dsink = nullptr;
   int64_t groups() const { return ng > 0 ? ng : nh; }
   int64_t v_dim() const { return vd > 0 ? vd : hd; }
   // Width of one token's row of the fused QKV: per group its query heads, then its key and value.

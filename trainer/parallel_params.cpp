@@ -103,6 +103,7 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
                         + h * ffn / t + bias * h;       // row-parallel fc2, bias whole
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
+  if (c.learnable_softmax()) n += layers_on_stage * (c.num_attention_heads / t);  // softmax_offset, split by heads
   if (c.moe()) {  // one tensor rank (ptk-train refuses more): each MoE layer's router and experts
     PTK_CHECK(tensor == 1 && (moe_layers_on_stage >= 0 || layers_on_stage == c.num_layers));
     const int64_t moe = moe_layers_on_stage >= 0 ? moe_layers_on_stage : c.moe_layers();

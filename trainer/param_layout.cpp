@@ -369,6 +369,10 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.q_norm_b = add_if(qk_norm && ln, p + "self_attention.q_layernorm.bias", hd, 0.0);
     lp.k_norm_w = add_if(qk_norm, p + "self_attention.k_layernorm.weight", hd, 0.0, one);
     lp.k_norm_b = add_if(qk_norm && ln, p + "self_attention.k_layernorm.bias", hd, 0.0);
+    // --softmax-type learnable: DotProductAttention's softmax_offset, one per head (split by heads over the tensor
+    // ranks), init_method's normal; its module (core_attention) comes before linear_proj.
+    lp.softmax_offset = add_if(config.learnable_softmax(), p + "self_attention.core_attention.softmax_offset",
+                               std::vector<int64_t>{config.num_attention_heads / T}, std, 0.0f, 0);
     lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, one);

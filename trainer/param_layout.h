@@ -133,6 +133,15 @@ struct GPTConfig {
   // weigh mtp_loss_scaling_factor / mtp_num_layers. 0: none.
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
+  // Megatron's sliding window attention (--window-size W,0, --window-attn-skip-freq; CPU backend): on the layers
+  // window_layer() names, a query attends the window_left keys before it and itself (-1: no window anywhere).
+  // window_pattern: one 0/1 entry per layer (1: windowed), empty for every layer.
+  int64_t window_left = -1;
+  std::vector<int> window_pattern;
+  // Megatron's --softmax-type (megatron-core's DotProductAttention): vanilla, off-by-one (a zero logit per
+  // head beside each row's scores in its softmax) or learnable (that logit the layer's softmax_offset parameter,
+  // one per head, core_attention.softmax_offset in the state dict).
+  std::string softmax_type = "vanilla";
 
   absl::Status Validate() const;
   absl::Status ValidateMoe() const;  // the mixture-of-experts settings (Validate's last part)
@@ -144,6 +153,12 @@ struct GPTConfig {
   // The attention's output width (linear_proj's input): heads x head_dim, under MLA heads x v_head_dim.
   int64_t attention_width() const { return num_attention_heads * (mla() ? v_head_dim : head_dim()); }
   bool moe() const { return num_experts > 0; }
+  // Megatron's is_layer_window_attention for the 0-based layer l.
+  bool window_layer(int64_t l) const {
+    return window_left >= 0 && (window_pattern.empty() || window_pattern[static_cast<size_t>(l)] != 0);
+  }
+  bool softmax_sink() const { return softmax_type != "vanilla"; }
+  bool learnable_softmax() const { return softmax_type == "learnable"; }
   bool moe_layer(int64_t l) const {
     return moe() && (moe_layer_pattern.empty() || moe_layer_pattern[static_cast<size_t>(l)] != 0);
   }
@@ -254,6 +269,8 @@ struct LayerParams {
   // latent norms (q_proj without a q_lora_rank, q_down, q_up and q_norm with one; norms with qk_layernorm).
   int64_t mla_q_proj = -1, mla_q_down = -1, mla_q_norm_w = -1, mla_q_norm_b = -1, mla_q_up = -1;
   int64_t mla_kv_down = -1, mla_kv_norm_w = -1, mla_kv_norm_b = -1, mla_kv_up = -1;
+  // --softmax-type learnable: the core attention's softmax_offset (this rank's heads), -1 otherwise.
+  int64_t softmax_offset = -1;
 };
 
 // Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by

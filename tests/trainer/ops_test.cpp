@@ -222,7 +222,7 @@ TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
 // the outputs and gradients are the same bits at any thread count, with grouped-query heads adding
 // to one key and value gradient, dropout, and sequences longer than a GEMM tile (256 rows).
 TEST(Ops, AttentionIndependentOfThreads) {
-  for (const AttentionShape s : {AttentionShape{3, 300, 4, 8, 2}, AttentionShape{2, 17, 6, 4}}) {
+  for (const AttentionShape& s : {AttentionShape{3, 300, 4, 8, 2}, AttentionShape{2, 17, 6, 4}}) {
     const int64_t c = s.nh * s.hd;
     auto rq = Random(s.b * s.t * s.qkv_width(), 30), rd = Random(s.b * s.t * c, 31);
     std::vector<float> qkv(rq.begin(), rq.end()), dout(rd.begin(), rd.end());

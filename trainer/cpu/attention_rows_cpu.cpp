@@ -1,7 +1,9 @@
 // Causal attention of some query positions over whole samples, forward and backward: context
 // parallelism's (a context rank's queries, the context group's keys and values all-gathered), and with
 // every position a query, the whole samples' (attention_cpu.cpp). Row i of a sample is position
-// qpos[i], attends to positions 0..qpos[i], and its attention-dropout mask is that of row qpos[i] of
+// qpos[i], attends to positions 0..qpos[i] (under Megatron's sliding window, AttentionShape::window, the
+// window's keys before it only; with a softmax offset, AttentionShape::sink, the head's extra logit in its
+// softmax, as megatron-core's SoftmaxOne), and its attention-dropout mask is that of row qpos[i] of
 // one rank's (t x t) probabilities. Both products of each (batch, head) go through BLAS; the (batch,
 // head) pairs (backward: the (batch, query group) pairs, whose heads add to one key and value
 // gradient) run on oneTBB's threads, each computed whole by one thread in the same order: the same
@@ -52,30 +54,47 @@ void DropoutQueryRows(T* m, const int64_t* qpos, int64_t tq, int64_t t, double p
   }
 }
 
-// A row of t scores to probabilities in place: softmax over columns 0..last, zeros after.
+// The first key of the row at position `last`: 0, or under a sliding window (Megatron's
+// get_sliding_window_causal_mask with (window, 0)) last - window when that is later.
+int64_t FirstKey(int64_t last, int64_t window) { return window < 0 ? 0 : std::max<int64_t>(0, last - window); }
+
+// A row of t scores to probabilities in place: softmax over columns first..last, zeros elsewhere
+// (Megatron's -10000 fill gives them exp() == 0 in fp32). With a sink (Megatron's SoftmaxOne), the
+// logit `sink` joins the row's softmax and is dropped after it: its exp() adds to the denominator.
 template <typename T>
-void SoftmaxRow(T* row, int64_t last, int64_t t) {
-  T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
-  double sum = 0;
-  for (int64_t j = 0; j <= last; ++j) {
+void SoftmaxRow(T* row, int64_t first, int64_t last, int64_t t, const float* sink) {
+  T mx = sink ? static_cast<T>(*sink) : -std::numeric_limits<T>::infinity();
+  for (int64_t j = first; j <= last; ++j) mx = std::max(mx, row[j]);
+  double sum = sink ? std::exp(static_cast<T>(*sink) - mx) : 0.0;
+  for (int64_t j = first; j <= last; ++j) {
     row[j] = std::exp(row[j] - mx);
     sum += row[j];
   }
   const T inv = static_cast<T>(1.0 / sum);
-  for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
+  for (int64_t j = 0; j < first; ++j) row[j] = T(0);
+  for (int64_t j = first; j <= last; ++j) row[j] *= inv;
   for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
 }
 
 // The gradient of a row's probabilities (drow, in place) to that of its scaled scores, given the
-// probabilities prow: drow = prow * (drow - prow . drow) * scale over columns 0..last, zeros after.
+// probabilities prow: drow = prow * (drow - prow . drow) * scale over columns first..last, zeros
+// elsewhere. Returns prow . drow (a sink's gradient is -p_sink * that, p_sink = 1 - sum(prow)).
 template <typename T>
-void SoftmaxBackwardRow(const T* prow, T* drow, int64_t last, int64_t t, T scale) {
+double SoftmaxBackwardRow(const T* prow, T* drow, int64_t first, int64_t last, int64_t t, T scale) {
   double dot = 0;
-  for (int64_t j = 0; j <= last; ++j) dot += static_cast<double>(prow[j]) * drow[j];
+  for (int64_t j = first; j <= last; ++j) dot += static_cast<double>(prow[j]) * drow[j];
   const T tdot = static_cast<T>(dot);
-  for (int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
+  for (int64_t j = 0; j < first; ++j) drow[j] = T(0);
+  for (int64_t j = first; j <= last; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
   for (int64_t j = last + 1; j < t; ++j) drow[j] = T(0);
+  return dot;
+}
+// The sink's probability in a row: what its keys' probabilities leave of 1.
+template <typename T>
+double SinkProbability(const T* prow, int64_t first, int64_t last) {
+  double sum = 0;
+  for (int64_t j = first; j <= last; ++j) sum += prow[j];
+  return 1.0 - sum;
 }
 
 // kSkip: the Gemm tiles of a (tq, t) block of rows' scores that some row of the tile attends to (a
@@ -105,7 +124,8 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
       GemmTiles<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t, attended);
-      for (int64_t i = 0; i < tq; ++i) SoftmaxRow(pr + i * t, qpos[i], t);
+      const float* sink = s.sink ? s.sink + h : nullptr;
+      for (int64_t i = 0; i < tq; ++i) SoftmaxRow(pr + i * t, FirstKey(qpos[i], s.window), qpos[i], t, sink);
       const T* pv = pr;
       if (p > 0.0) {
         std::vector<T>& dropped = dropped_of.local();
@@ -127,6 +147,9 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
   const GemmTileFilter attended = AttendedTiles(qpos, keys);
   // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
   tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
+  // Each (batch, head)'s share of the sink's gradient, summed over the batch in order after (the same bits for
+  // any thread count).
+  std::vector<double> dsink_of(s.dsink ? static_cast<size_t>(s.b * s.nh) : 0);
   tbb::parallel_for(int64_t{0}, s.b * s.groups(), [&](int64_t bg) {
     const int64_t b = bg / s.groups();
     T* pd = scratch_of.local().data();
@@ -152,12 +175,24 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
         Gemm<T>(true, false, t, vd, tq, T(1), pv, t, dy, c, acc, dv, w);                 // dV = P'^T dY
         GemmTiles<T>(false, true, tq, t, vd, T(1), dy, c, v, w, T(0), dp, t, attended);  // dP' = dY V^T
         DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);                              // dP = dropout(dP')
-        for (int64_t i = 0; i < tq; ++i) SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
+        double dsink = 0;  // the sink's gradient over these rows: -sum of p_sink x (p . dp)
+        for (int64_t i = 0; i < tq; ++i) {
+          const int64_t first = FirstKey(qpos[i], s.window);
+          const double dot = SoftmaxBackwardRow(pr + i * t, dp + i * t, first, qpos[i], t, scale);
+          if (s.dsink) dsink -= SinkProbability(pr + i * t, first, qpos[i]) * dot;
+        }
+        if (s.dsink) dsink_of[static_cast<size_t>(b * s.nh + h)] = dsink;
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
         Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
       }
     });
   });
+  if (!s.dsink) return;
+  for (int64_t h = 0; h < s.nh; ++h) {
+    double sum = 0;
+    for (int64_t b = 0; b < s.b; ++b) sum += dsink_of[static_cast<size_t>(b * s.nh + h)];
+    s.dsink[h] += static_cast<float>(sum);
+  }
 }
 
 #define PTK_INSTANTIATE(T)                                                                                          \

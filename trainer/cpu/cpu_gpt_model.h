@@ -128,6 +128,10 @@ class CpuGPTModel final : public GPTModel {
   // under --recompute-activations, context-parallel or not, through RoPE and the QK norms.
   absl::Status LayerAttentionBackward(int64_t l, const LayerParams& lp, const AttentionShape& shape, double ap,
                                       uint64_t seed);
+  // Layer l's core attention: `shape` with the layer's sliding window (GPTConfig::window_layer) and softmax offset
+  // (off-by-one's zeros, learnable's softmax_offset parameter, and with `backward` its gradient).
+  AttentionShape CoreAttentionShape(const AttentionShape& shape, int64_t l, const LayerParams& lp, bool backward);
+  std::vector<float> zero_sink_;  // --softmax-type off-by-one's offsets (this rank's heads)
   // Sequence parallelism's passes (sequence_parallel_cpu.cpp) and their collectives: this rank's
   // rows of a (b, t, c) buffer to and from the whole; a partial whole summed into this rank's rows.
   absl::Status RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);

@@ -140,10 +140,11 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     }
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    const AttentionShape core = CoreAttentionShape(shape, l, lp, false);
     if (cp())
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed));
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed));
     else
-      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout, context_positions_);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
@@ -168,20 +169,35 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
   return absl::OkStatus();
 }
 
+AttentionShape CpuGPTModel::CoreAttentionShape(const AttentionShape& shape, int64_t l, const LayerParams& lp,
+                                               bool backward) {
+  const GPTConfig& cf = config();
+  AttentionShape core = shape;
+  if (cf.window_layer(GlobalLayer(l))) core.window = cf.window_left;
+  if (lp.softmax_offset >= 0) {
+    core.sink = params_.data() + lp.softmax_offset;
+    if (backward) core.dsink = grads_.data() + lp.softmax_offset;
+  } else if (cf.softmax_sink()) {
+    zero_sink_.assign(static_cast<size_t>(shape.nh), 0.0f);
+    core.sink = zero_sink_.data();
+  }
+  return core;
+}
+
 absl::Status CpuGPTModel::LayerAttentionBackward(int64_t l, const LayerParams& lp, const AttentionShape& shape,
                                                  double ap, uint64_t seed) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
   float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+  const AttentionShape fwd = CoreAttentionShape(shape, l, lp, false), core = CoreAttentionShape(shape, l, lp, true);
   if (cf.recompute_activations && cp())  // recompute the probabilities; the output lands in a scratch buffer
-    PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
+    PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), fwd, ap, seed));
   else if (cf.recompute_activations)
-    cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), fwd, ap, seed, a.streams.data());
   if (cp())
-    PTK_RETURN_IF_ERROR(
-        ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
+    PTK_RETURN_IF_ERROR(ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, core, ap, seed));
   else
-    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
+    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, core, ap, seed, a.streams.data());
   if (cf.mla()) return absl::OkStatus();  // MLA's rotary embedding is in its projections' backward
   if (cf.rope())
     cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),

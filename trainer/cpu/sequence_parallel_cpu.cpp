@@ -172,10 +172,11 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    const AttentionShape core = CoreAttentionShape(shape, l, lp, false);  // the layer's window and softmax offset
     if (cp())
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed));
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed));
     else
-      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
     cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.proj_b), nl, c);

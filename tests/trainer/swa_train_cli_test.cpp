@@ -1,0 +1,213 @@
+// ptk-train's sliding window attention and softmax types end to end (--window-size, --window-attn-skip-freq,
+// --softmax-type, CPU): a run saves megatron-core's core_attention.softmax_offset tensors and its settings,
+// a stopped run resumes bit for bit (dropout on), with --use-checkpoint-args taking the three flags from the
+// checkpoint, another window or softmax is another model, two tensor ranks (the offsets split by heads) train
+// as one, ptk-convert refuses the checkpoint, --dry-run counts the offsets as megatron-core's golden model
+// has them, and the values Megatron rejects and the combinations ptk has not are refused in one line each.
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+const char kVariant[] = " --window-size 4,0 --window-attn-skip-freq 2 --softmax-type learnable";
+
+class SwaTrainCli : public testing::RanksTest {
+ protected:
+  SwaTrainCli() : RanksTest(testing::kSmallVocabEod) {}
+  std::string Train(const std::string& extra, int64_t iters = 6, const std::string& variant = kVariant) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --init-method-std 0.2 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + variant + " " + extra;
+  }
+};
+
+TEST_F(SwaTrainCli, TrainsAndSavesTheOffsetsUnderMegatronsNames) {
+  auto r = RunCmd(Train("--save " + ShellQuote(dir_ / "ck"), 4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto losses = testing::LossesOf(r.output);
+  EXPECT_EQ(losses.size(), 4u) << r.output;
+  // The window (4 keys of 32) and the offsets change the losses: each flag reaches the model.
+  for (const std::string& other :
+       {std::string(" --window-size 4,0 --window-attn-skip-freq 2"), std::string(" --softmax-type learnable"),
+        std::string(" --softmax-type off-by-one"), std::string(" --window-size 4,0 --softmax-type learnable")}) {
+    auto o = RunCmd(Train("", 4, other));
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_GT(testing::WorstRelativeDifference(testing::LossesOf(o.output), losses), 1e-6) << other;
+  }
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.num_layers = 2;
+  c.window_left = 4;
+  c.window_pattern = {1, 0};
+  c.softmax_type = "learnable";
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const char* name : {"decoder.layers.0.self_attention.core_attention.softmax_offset",
+                           "decoder.layers.1.self_attention.core_attention.softmax_offset"}) {
+    ASSERT_NE(layout->Find(name), nullptr) << name;
+    EXPECT_EQ(layout->Find(name)->shape, std::vector<int64_t>{4}) << name;
+  }
+  std::vector<float> p, m, v;
+  TrainState st;
+  const absl::Status loaded = LoadCheckpoint(dir_ / "ck", 4, *layout, &p, &m, &v, &st);
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  c.window_pattern.clear();  // the window on every layer is another model
+  auto other = ParamLayout::Create(c);
+  const absl::Status refused = LoadCheckpoint(dir_ / "ck", 4, *other, &p, &m, &v, &st);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(std::string(refused.message()).find("--window-attn-skip-freq \"[1,0]\" (this run: \"[1,1]\")"),
+            std::string::npos)
+      << refused;
+  for (const char* saver : {"hf", "megatron"}) {
+    const std::string out = dir_ / (std::string("export-") + saver);
+    auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(out));
+    EXPECT_NE(e.exit_code, 0) << e.output;
+    EXPECT_NE(e.output.find("a model with --window-size or --softmax-type (window_size '4,0', softmax_type "
+                            "'learnable'): ptk-convert does not export them"),
+              std::string::npos)
+        << e.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << saver;
+  }
+}
+
+TEST_F(SwaTrainCli, AStoppedRunResumesBitForBit) {
+  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  ASSERT_EQ(b.size(), 3u) << resumed.output;
+  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  // Without the flags, or with another softmax, the checkpoint is another model.
+  for (const std::string& variant : {std::string(""), std::string(" --window-size 4,0 --window-attn-skip-freq 2"),
+                                     std::string(" --window-size 4,0 --softmax-type learnable")}) {
+    auto r = RunCmd(Train("--load " + ShellQuote(dir_ / "ck"), 6, variant));
+    EXPECT_EQ(r.exit_code, 1) << variant << "\n" << r.output;
+    EXPECT_NE(r.output.find("the checkpoint is of another model"), std::string::npos) << variant << "\n" << r.output;
+  }
+  // --use-checkpoint-args takes the three flags (and the other architecture flags) from the checkpoint: the
+  // same resume; the same values written otherwise agree; another value is refused naming it.
+  const std::string load = "--use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
+  auto t = RunCmd(Train(load, 6, ""));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(t.output), b);
+  EXPECT_NE(t.output.find("--window-size 4,0, --window-attn-skip-freq [1,0], --softmax-type learnable"),
+            std::string::npos)
+      << t.output;
+  auto same = RunCmd(Train(load, 6, " --window-size '(4, 0)' --window-attn-skip-freq '[1,0]'"));
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(same.output), b);
+  auto differs = RunCmd(Train(load, 6, " --window-size 5,0"));
+  EXPECT_EQ(differs.exit_code, 2) << differs.output;
+  EXPECT_NE(differs.output.find("--use-checkpoint-args: --window-size 5,0 differs from the checkpoint's --window-size "
+                                "4,0"),
+            std::string::npos)
+      << differs.output;
+}
+
+TEST_F(SwaTrainCli, TwoTensorRanksTrainAsOneRankDoes) {
+  auto one = RunCmd(Train(""));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(2, Train("--tensor-model-parallel-size 2"), testing::LossesOf(one.output), 6, 1e-5, "T=2", &out));
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--tensor-model-parallel-size 2 --sequence-parallel"),
+                                          testing::LossesOf(one.output), 6, 1e-5, "T=2, sequence-parallel", &out));
+}
+
+// megatron-core's parameter count of tests/data/trainer/swa_learnable_full's model (its golden's tensors).
+TEST_F(SwaTrainCli, DryRunCountsTheOffsetsAsMegatron) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/swa_learnable_full.json");
+  int64_t megatron = 0;
+  for (auto name : meta["param_order"].get_array()) {
+    int64_t n = 1;
+    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
+      n *= int64_t(d);
+    megatron += n;
+  }
+  const std::string dry = testing::Tool("ptk-train") +
+                          " --dry-run --num-layers 3 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
+                          " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
+                          " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
+                          " --train-iters 1 --lr 1e-3";
+  auto r = RunCmd(dry + " --softmax-type learnable");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
+                                                                                                    << r.output;
+  auto plain = RunCmd(dry + " --softmax-type off-by-one");  // no parameter
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("model: " + std::to_string(megatron - 3 * 4) + " parameters"), std::string::npos)
+      << plain.output;
+}
+
+TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine) {
+  const std::string base = testing::Tool("ptk-train") +
+                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
+                           testing::SmallVocabFlags();
+  const std::string w = " --window-size 4,0", ws = "usage error: --window-size ";
+  const std::string with = "usage error: --window-size 4,0 and --softmax-type learnable with ";
+  const std::string sm = w + " --softmax-type learnable";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" --window-size 4", ws + "4: 1 integer(s); the window is two"},
+      {" --window-size 4,0,0", ws + "4,0,0: 3 integer(s)"},
+      {" --window-size=-1,0", ws + "-1,0: the left bound must be at least 0"},
+      {" --window-size 4,2", ws + "4,2: the right bound must be 0"},
+      {" --window-size a,0", ws + "a,0: integers separated by a comma"},
+      {" --window-size ,", ws + ",: integers"},
+      {w + " --window-attn-skip-freq 0", "usage error: --window-attn-skip-freq 0: a positive count"},
+      {w + " --window-attn-skip-freq x", "usage error: --window-attn-skip-freq x: a positive count"},
+      {w + " --window-attn-skip-freq [1,0,1]",
+       "usage error: --window-attn-skip-freq [1,0,1]: 3 entries for "
+       "--num-layers 2"},
+      {w + " --window-attn-skip-freq [2,1]", "usage error: --window-attn-skip-freq [2,1]: entry 2"},
+      {w + " --window-attn-skip-freq '__import__(1)'", "usage error: --window-attn-skip-freq"},
+      {" --softmax-type softer", "--softmax-type"},
+      {sm + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk's sliding window"},
+      {sm + " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4",
+       with + "--multi-latent-attention"},
+      {sm + " --mtp-num-layers 1", with + "--mtp-num-layers 1"},
+      {sm + " --device cuda", with + "--device cuda"},
+      {w + " --device cuda", "usage error: --window-size 4,0 with --device cuda"},
+      {" --softmax-type off-by-one --device cuda", "usage error: --softmax-type off-by-one with --device cuda"},
+      {sm + " --dry-run --bf16", with + "--device cuda"},
+      {sm + " --dry-run --context-parallel-size 2", with + "--context-parallel-size 2"},
+      {" --softmax-type learnable --init-method-xavier-uniform",
+       "usage error: --softmax-type learnable with --init-method-xavier-uniform"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+  }
+  auto plain = RunCmd(base + " --window-attn-skip-freq 2 --softmax-type vanilla --train-iters 1");
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("--window-attn-skip-freq: accepted, no effect without --window-size (as Megatron)"),
+            std::string::npos)
+      << plain.output;
+}
+
+}  // namespace
+}  // namespace ptk
