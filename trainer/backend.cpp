@@ -129,6 +129,11 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");
   if (config.mtp_num_layers > 0 && backend.context_comm && backend.context_comm->size() > 1)
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
+  // Gated attention and the query and key L2 norm are the CPU passes' (cpu_gpt_model_pass.cpp).
+  if (config.attention_output_gate && backend.device != Device::kCpu)
+    return absl::UnimplementedError("--attention-output-gate: the gated attention runs on the CPU backend only");
+  if (config.qk_l2_norm && backend.device != Device::kCpu)
+    return absl::UnimplementedError("--qk-l2-norm: the query and key L2 norm runs on the CPU backend only");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(
