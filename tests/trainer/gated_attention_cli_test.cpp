@@ -150,7 +150,7 @@ TEST_F(GatedTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {mla + " --attention-output-gate",
        "usage error: --attention-output-gate with --multi-latent-attention: megatron-core has no output gate"},
       {mla + " --qk-l2-norm", "usage error: --qk-l2-norm with --multi-latent-attention"},
-      {" --attention-output-gate=2", "--attention-output-gate"},
+      {" --attention-output-gate=maybe", "--attention-output-gate"},
   };
   for (const auto& [flags, want] : cases) {
     auto r = RunCmd(base + flags);

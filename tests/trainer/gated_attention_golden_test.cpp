@@ -25,6 +25,7 @@
 #include "trainer/gpt_model.h"
 #include "trainer/param_layout.h"
 #include "trainer/train_step.h"
+#include "trainer/training.h"
 
 namespace ptk {
 namespace {
@@ -189,6 +190,27 @@ TEST_P(GatedGolden, TensorParallelRanksMatchOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Megatron, GatedGolden, ::testing::Values("gated_mha", "gated_gqa_l2", "l2_gqa"));
+
+// The TFLOP/s line's formula counts the gate rows' product as Megatron-LM's num_floating_point_operations does
+// (gate_projection_size = the query's, 6 x hidden x gate FLOPs per token and layer: forward and backward, FMA), the
+// L2 norm as it counts the other norms (not at all).
+TEST(GatedAttentionModel, TheFlopsCountTheGateProjection) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.num_query_groups = 2;
+  c.ffn_hidden_size = 64;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = c.padded_vocab_size = 64;
+  const int64_t gbs = 4;
+  const double plain = FlopsPerIteration(c, gbs);
+  c.qk_l2_norm = true;
+  EXPECT_EQ(FlopsPerIteration(c, gbs), plain);
+  c.attention_output_gate = true;
+  const double gate = 6.0 * gbs * c.seq_length * c.num_layers * c.hidden_size * c.num_attention_heads * c.head_dim();
+  EXPECT_NEAR(FlopsPerIteration(c, gbs) - plain, gate, 1e-9 * plain);
+}
 
 // What the gate and the L2 norm do not run with is refused by the library too, not only by ptk-train's flags.
 TEST(GatedAttentionModel, OtherBackendsAndCombinationsAreRefused) {
