@@ -294,6 +294,7 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
     unsupported.push_back("--apply-residual-connection-post-layernorm");
   c.qk_layernorm = BoolAttr(args, "qk_layernorm", false);
   if (BoolAttr(args, "qk_l2_norm", false)) unsupported.push_back("--qk-l2-norm");
+  if (BoolAttr(args, "attention_output_gate", false)) unsupported.push_back("--attention-output-gate");
   c.squared_relu = BoolAttr(args, "squared_relu", false);
   if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
   c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);

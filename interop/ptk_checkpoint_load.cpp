@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -117,6 +118,12 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
     c.add_qkv_bias = qkv_bias;
     bool qk_layernorm = false;  // written only when on
     if (!m["qk_layernorm"].get(qk_layernorm)) c.qk_layernorm = qk_layernorm;
+    // ptk-train's query and key L2 norm and gated attention: no converter carries them yet.
+    for (auto [key, flag] :
+         {std::pair{"qk_l2_norm", "--qk-l2-norm"}, {"attention_output_gate", "--attention-output-gate"}})
+      if (bool on = false; !m[key].get(on) && on)
+        return absl::UnimplementedError(
+            fmt::format("{}: the model was trained with {}, which ptk-convert does not convert yet", file, flag));
     // The rotary variants, written only where they leave Megatron's defaults.
     if (pos == "rope") {
       bool interleaved = false;

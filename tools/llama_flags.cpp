@@ -49,6 +49,12 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--qk-layernorm", m.qk_layernorm,
                 "Normalise each query and key head (--normalization's norm over --kv-channels) before RoPE "
                 "(Qwen3's q_norm / k_norm)");
+  app->add_flag("--qk-l2-norm", m.qk_l2_norm,
+                "Scale each query and key head by rsqrt(mean(x^2) + --norm-epsilon) before RoPE, no weights (Llama 4's "
+                "L2 norm; not with --qk-layernorm; CPU backend)");
+  app->add_flag("--attention-output-gate", m.attention_output_gate,
+                "Gated attention (Qwen3-Next's): the QKV projection also gives a gate head per query head, and the "
+                "attention's output is multiplied by sigmoid(gate) before the output projection (CPU backend)");
   app->add_flag("--squared-relu", m.squared_relu, "MLP activation relu(x)^2 instead of GELU (not with --swiglu)");
   app->add_flag("--apply-layernorm-1p", m.apply_layernorm_1p,
                 "Every norm (LayerNorm or RMSNorm, with --qk-layernorm the query and key norms too) scales by 1 + "
@@ -88,6 +94,15 @@ absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
   // (--no-bias-gelu-fusion, or no biases: its arguments.py turns the fusion off without them) the MLP calls
   // torch's F.gelu, the exact erf GELU.
   m->gelu_exact = !m->swiglu && !m->squared_relu && (f.compat.contains("--no-bias-gelu-fusion") || !m->add_bias_linear);
+  if (m->qk_l2_norm && m->qk_layernorm)  // megatron-core's specs build L2Norm alone, --qk-layernorm's norms left out
+    return UsageError(
+        "--qk-l2-norm with --qk-layernorm: megatron-core replaces the query and key norms by the L2 "
+        "norm (no q_layernorm / k_layernorm weights); give one of them");
+  for (const auto& [flag, on] :
+       {std::pair{"--attention-output-gate", m->attention_output_gate}, {"--qk-l2-norm", m->qk_l2_norm}})
+    if (on && f.mla.on)
+      return UsageError(fmt::format("{} with --multi-latent-attention: megatron-core has no {} for MLA", flag,
+                                    std::string(flag) == "--qk-l2-norm" ? "query and key L2 norm" : "output gate"));
   if (tp > 1 && m->query_groups() % tp != 0)
     return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
                                   m->query_groups(), tp));
@@ -107,6 +122,18 @@ void NoteRotaryFlags(const GPTConfig& m, std::vector<std::string>* notes) {
   } else {
     note(factor && !m.use_rope_scaling, "--rope-scaling-factor", "--use-rope-scaling");
   }
+}
+
+absl::Status RefuseCpuOnlyAttention(const TrainFlags& f, Device device) {
+  const GPTConfig& m = f.options.model;
+  for (const auto& [flag, on] :
+       {std::pair{"--attention-output-gate", m.attention_output_gate}, {"--qk-l2-norm", m.qk_l2_norm}})
+    if (on && device != Device::kCpu)
+      return UsageError(
+          fmt::format("{} on --device cuda (or --bf16 / --fp16: the CUDA backend's): ptk's {} runs on "
+                      "the CPU backend only for now (--device cpu)",
+                      flag, std::string(flag) == "--qk-l2-norm" ? "query and key L2 norm" : "gated attention"));
+  return absl::OkStatus();
 }
 
 }  // namespace ptk

@@ -57,6 +57,8 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--disable-bias-linear",
     "--add-qkv-bias",
     "--qk-layernorm",
+    "--qk-l2-norm",
+    "--attention-output-gate",
     "--squared-relu",
     "--apply-layernorm-1p",
     // A mixture-of-experts checkpoint's (a dense one records none of them).

@@ -152,10 +152,10 @@ constexpr Group kGroups[] = {
      "--hybrid-override-pattern= --is-hybrid-model --mamba-head-dim= --mamba-num-groups= "
      "--mamba-num-heads= --mamba-state-dim="},
     {true, "this attention variant is not implemented; ptk's attention is Megatron's dense causal softmax attention",
-     "--attention-output-gate --dsa-indexer-head-dim= --dsa-indexer-loss-coeff= --dsa-indexer-n-heads= "
+     "--dsa-indexer-head-dim= --dsa-indexer-loss-coeff= --dsa-indexer-n-heads= "
      "--dsa-indexer-topk= --dsa-indexer-use-sparse-loss --experimental-attention-variant= "
      "--linear-attention-freq= --linear-conv-kernel-dim= --linear-key-head-dim= "
-     "--linear-num-key-heads= --linear-num-value-heads= --linear-value-head-dim= --qk-l2-norm"},
+     "--linear-num-key-heads= --linear-num-value-heads= --linear-value-head-dim="},
     {true, "heterogeneous layer configurations are not implemented; every layer has the same shape",
      "--heterogeneous-layers-config-encoded-json= --heterogeneous-layers-config-path="},
     {true, "fp8 and fp4 training are not implemented; use --bf16 or --fp16 on a GPU",

@@ -139,6 +139,8 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("add_bias_linear", c.add_bias_linear)
         .Field("add_qkv_bias", c.add_qkv_bias);
     if (c.qk_layernorm) w.Field("qk_layernorm", true);
+    if (c.qk_l2_norm) w.Field("qk_l2_norm", true);  // Megatron's args' names, written only when on
+    if (c.attention_output_gate) w.Field("attention_output_gate", true);
     if (c.rope()) {  // the rotary variants only where they leave Megatron's defaults, as qk_layernorm
       w.Field("rotary_base", c.rotary_base)
           .Field("rotary_percent", c.rotary_percent)

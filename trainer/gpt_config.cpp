@@ -74,6 +74,8 @@ absl::Status GPTConfig::Validate() const {
   if (!(embedding_init_method_std >= 0 && embedding_init_method_std <= kGptConfigMaxInitMethodStd))
     return bad(fmt::format("embedding_init_method_std {}: must be in (0, {}] (0: init_method_std's)",
                            embedding_init_method_std, kGptConfigMaxInitMethodStd));
+  if (qk_l2_norm && qk_layernorm)  // megatron-core's specs then build L2Norm alone, --qk-layernorm's norms left out
+    return bad("qk_l2_norm with qk_layernorm: megatron-core replaces the query and key norms by the L2 norm; give one");
   PTK_RETURN_IF_ERROR(ValidateMla());
   return ValidateMoe();
 }
@@ -86,6 +88,9 @@ double GPTConfig::MlaSoftmaxScale() const {
 absl::Status GPTConfig::ValidateMla() const {
   if (!mla()) return absl::OkStatus();
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
+  if (attention_output_gate)  // MLATransformerConfig raises NotImplementedError
+    return bad("attention_output_gate with multi_latent_attention: megatron-core has no output gate for MLA");
+  if (qk_l2_norm) return bad("qk_l2_norm with multi_latent_attention: megatron-core's MLA specs assert it off");
   for (auto [name, v] : {std::pair{"kv_lora_rank", kv_lora_rank},
                          {"qk_head_dim", qk_head_dim},
                          {"qk_pos_emb_head_dim", qk_pos_emb_head_dim},

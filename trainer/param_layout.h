@@ -56,6 +56,13 @@ struct GPTConfig {
   // each key head's head_dim channels after the QKV projection, before RoPE; one weight (and, for
   // LayerNorm, bias) of head_dim for all query heads, one for all key heads.
   bool qk_layernorm = false;
+  // Megatron's --qk-l2-norm (Llama 4's; megatron-core's L2Norm as q_layernorm and k_layernorm): each query and key
+  // head times rsqrt(mean(x^2) + layernorm_epsilon), no weights, after the QKV projection, before RoPE.
+  bool qk_l2_norm = false;
+  // Megatron's --attention-output-gate (Qwen3-Next's gated attention): the QKV projection also gives a gate head per
+  // query head (rows per query group: its query heads, their gate heads, the key, the value), and the core
+  // attention's output is multiplied by sigmoid(gate) before linear_proj.
+  bool attention_output_gate = false;
   // Megatron's --squared-relu: the MLP's activation relu(x)^2 instead of GELU (not with swiglu).
   bool squared_relu = false;
   // Megatron's GELU MLP without its fused bias-GELU kernel (--no-bias-gelu-fusion, or
@@ -191,13 +198,15 @@ struct GPTConfig {
   // Under MLA the fused buffer the core attention reads (per head its query, key and value).
   int64_t qkv_rows() const {
     if (mla()) return num_attention_heads * (2 * mla_q_head_dim() + v_head_dim);
-    return (num_attention_heads + 2 * query_groups()) * head_dim();
+    return ((attention_output_gate ? 2 : 1) * num_attention_heads + 2 * query_groups()) * head_dim();
   }
+  // The gate rows of the QKV projection (--attention-output-gate): one head per query head, else 0.
+  int64_t gate_rows() const { return attention_output_gate && !mla() ? num_attention_heads * head_dim() : 0; }
   // Megatron's GPT-3 model (every setting of the Llama line at its default).
   bool gpt3() const {
     return normalization == Normalization::kLayerNorm && position_embedding == PositionEmbedding::kLearnedAbsolute &&
            !swiglu && query_groups() == num_attention_heads && head_dim() * num_attention_heads == hidden_size &&
-           add_bias_linear && !qk_layernorm && !mla();
+           add_bias_linear && !qk_layernorm && !mla() && !qk_l2_norm && !attention_output_gate;
   }
 };
 

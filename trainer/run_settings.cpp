@@ -111,6 +111,8 @@ Settings ModelSettings(const GPTConfig& m, int64_t make_vocab_size_divisible_by)
       {"--disable-bias-linear", m.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", m.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", m.qk_layernorm ? "on" : "off"},
+      {"--qk-l2-norm", m.qk_l2_norm ? "on" : "off"},
+      {"--attention-output-gate", m.attention_output_gate ? "on" : "off"},
       {"--squared-relu", m.squared_relu ? "on" : "off"},
       {"--no-bias-gelu-fusion", m.gelu_exact ? "on (the exact erf GELU)" : "off"},
       {"--apply-layernorm-1p", m.apply_layernorm_1p ? "on" : "off"},

@@ -367,8 +367,10 @@ double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
     const double core = heads * dq / 2 + heads * dv / 2;
     return b * s * l * 6.0 * (proj + s * core) + 12.0 * b * s * l * h * f * gated + 6.0 * b * s * h * v;
   }
+  // --attention-output-gate: the QKV projection's gate rows, as many as the query's (Megatron's gate_projection_size).
+  const double gate = c.attention_output_gate ? 0.5 : 0.0;
   return 12.0 * b * s * l * h * h *
-         ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
+         ((1.0 + gate + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
 }
 
 absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {

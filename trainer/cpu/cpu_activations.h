@@ -24,6 +24,11 @@ struct CpuGPTModel::Activations {
   // --qk-layernorm: the QKV product before the query and key norms (qkv holds it normalised, then
   // rotated), and the norms' statistics per token and normalised head.
   std::vector<std::vector<float>> qkv_raw, qk_mean, qk_rstd;
+  // --attention-output-gate: per layer the gate heads and the core attention's output before the gate (atty holds
+  // it gated); the QKV product with its gate rows (forward), then its gradient (backward); the gate's gradient.
+  // --qk-l2-norm: ones, the L2 norm's weights in QKNormForward's terms (head_dim of them).
+  std::vector<std::vector<float>> gate, att_pre;
+  std::vector<float> qkv_fused, dgate, l2_ones;
   std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln,
       dff, dqkv, datt, xent_work;
   // Sequence parallelism: this rank's rows of a product's output, a permutation's buffer, a norm's
@@ -128,11 +133,55 @@ inline cpu::SharedExpertSettings SharedExpertSettingsOf(const GPTConfig& cf) {
 // or qkv itself without it. (Templates: CpuGPTModel::Activations is private to the model.)
 template <typename Acts>
 float* QkvProductOut(Acts& a, int64_t l, const GPTConfig& cf) {
-  return cf.qk_layernorm ? a.qkv_raw[l].data() : a.qkv[l].data();
+  return cf.qk_layernorm || cf.qk_l2_norm ? a.qkv_raw[l].data() : a.qkv[l].data();
+}
+// --attention-output-gate: the QKV product's output (the fused rows with the gate's, split by QkvGateSplit), its
+// width; without the gate QkvProductOut's and the shape's.
+template <typename Acts>
+float* QkvMatmulOut(Acts& a, int64_t l, const GPTConfig& cf) {
+  return cf.attention_output_gate ? a.qkv_fused.data() : QkvProductOut(a, l, cf);
+}
+inline int64_t QkvMatmulWidth(const GPTConfig& cf, const AttentionShape& shape) {
+  return shape.qkv_width() + (cf.attention_output_gate ? shape.nh * shape.hd : 0);
+}
+template <typename Acts>
+void QkvGateSplit(const GPTConfig& cf, Acts& a, int64_t l, const AttentionShape& shape) {
+  if (cf.attention_output_gate)
+    cpu::SplitGatedQkv(QkvProductOut(a, l, cf), a.gate[l].data(), a.qkv_fused.data(), shape);
+}
+// Where the core attention writes layer l's output: before the gate (att_pre), or atty without it.
+template <typename Acts>
+float* AttentionOut(Acts& a, int64_t l, const GPTConfig& cf) {
+  return cf.attention_output_gate ? a.att_pre[l].data() : a.atty[l].data();
+}
+// atty[l] = att_pre[l] * sigmoid(gate[l]) (n tokens x ct of this rank's channels).
+template <typename Acts>
+void OutputGateLayerForward(const GPTConfig& cf, Acts& a, int64_t l, int64_t n, int64_t ct) {
+  if (cf.attention_output_gate) cpu::OutputGateForward(a.atty[l].data(), a.att_pre[l].data(), a.gate[l].data(), n * ct);
+}
+// Backward: datt (atty's gradient) to att_pre's in place, the gate's into dgate.
+template <typename Acts>
+void OutputGateLayerBackward(const GPTConfig& cf, Acts& a, int64_t l, int64_t n, int64_t ct) {
+  if (cf.attention_output_gate)
+    cpu::OutputGateBackward(a.datt.data(), a.dgate.data(), a.att_pre[l].data(), a.gate[l].data(), n * ct);
+}
+// The QKV product's output gradient for its backward: dqkv, or with the gate dqkv and dgate merged into qkv_fused.
+template <typename Acts>
+float* QkvMatmulGrad(const GPTConfig& cf, Acts& a, const AttentionShape& shape) {
+  if (!cf.attention_output_gate) return a.dqkv.data();
+  cpu::MergeGatedQkv(a.qkv_fused.data(), a.dqkv.data(), a.dgate.data(), shape);
+  return a.qkv_fused.data();
 }
 template <typename Acts>
 void QKNormLayerForward(const GPTConfig& cf, Acts& a, int64_t l, const float* P, const LayerParams& lp,
                         const AttentionShape& shape) {
+  if (cf.qk_l2_norm) {  // megatron-core's L2Norm: RMSNorm's arithmetic with unit weights
+    const float* ones = a.l2_ones.data();
+    cpu::QKNormForward(a.qkv[l].data(), static_cast<float*>(nullptr), a.qk_rstd[l].data(), a.qkv_raw[l].data(), ones,
+                       static_cast<const float*>(nullptr), ones, static_cast<const float*>(nullptr), shape,
+                       cf.layernorm_epsilon, 0.0f);
+    return;
+  }
   if (!cf.qk_layernorm) return;
   const bool ln = cf.normalization == Normalization::kLayerNorm;
   cpu::QKNormForward(a.qkv[l].data(), ln ? a.qk_mean[l].data() : nullptr, a.qk_rstd[l].data(), a.qkv_raw[l].data(),
@@ -143,6 +192,13 @@ void QKNormLayerForward(const GPTConfig& cf, Acts& a, int64_t l, const float* P,
 template <typename Acts>
 void QKNormLayerBackward(const GPTConfig& cf, Acts& a, int64_t l, const float* P, float* G, const LayerParams& lp,
                          const AttentionShape& shape) {
+  if (cf.qk_l2_norm) {  // no weights: the raw product's gradient only
+    const float* ones = a.l2_ones.data();
+    float* none = nullptr;
+    cpu::QKNormBackward(a.dqkv.data(), none, none, none, none, a.qkv_raw[l].data(), ones, ones,
+                        static_cast<const float*>(nullptr), a.qk_rstd[l].data(), shape, 0.0f);
+    return;
+  }
   if (!cf.qk_layernorm) return;
   const bool ln = cf.normalization == Normalization::kLayerNorm;
   cpu::QKNormBackward(a.dqkv.data(), G + lp.q_norm_w, At(G, lp.q_norm_b), G + lp.k_norm_w, At(G, lp.k_norm_b),

@@ -270,11 +270,20 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   per_layer(&Activations::ln1, L, rows * c);
   per_layer(&Activations::ln1_mean, L, rows);
   per_layer(&Activations::ln1_rstd, L, rows);
-  per_layer(&Activations::qkv, L, n * qkv);
-  const bool qk_norm = cf.qk_layernorm && !cf.mla();  // MLA's norms are its latents' (MlaActivations)
+  per_layer(&Activations::qkv, L, n * (qkv - cf.gate_rows() / T));
+  const bool gated = cf.attention_output_gate && !cf.mla();
+  per_layer(&Activations::gate, gated ? L : 0, n * ct);
+  per_layer(&Activations::att_pre, gated ? L : 0, n * ct);
+  put(&Activations::qkv_fused, gated ? n * qkv : 0);
+  put(&Activations::dgate, gated ? n * ct : 0);
+  put(&Activations::l2_ones, cf.qk_l2_norm ? cf.head_dim() : 0);
+  if (a != nullptr) std::fill(a->l2_ones.begin(), a->l2_ones.end(), 1.0f);
+  // The query and key norms' (--qk-layernorm's, --qk-l2-norm's); MLA's norms are its latents' (MlaActivations).
+  const bool qk_norm = (cf.qk_layernorm || cf.qk_l2_norm) && !cf.mla();
   const int64_t qk_rows = qk_norm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
   per_layer(&Activations::qkv_raw, qk_norm ? L : 0, n * qkv);
-  per_layer(&Activations::qk_mean, qk_norm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
+  per_layer(&Activations::qk_mean,
+            cf.qk_layernorm && !cf.mla() && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
   per_layer(&Activations::qk_rstd, qk_norm ? L : 0, qk_rows);
   per_layer(&Activations::probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(&Activations::atty, L, n * ct);
@@ -300,7 +309,7 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::dln, n * c);
   put(&Activations::dff, n * f1);
   put(&Activations::dact, cf.swiglu ? n * f : 0);
-  put(&Activations::dqkv, n * qkv);
+  put(&Activations::dqkv, n * (qkv - cf.gate_rows() / T));
   const int64_t half = cf.rope() ? cf.rotary_dim() / 2 : 0;
   put(&Activations::rope_cos, t * half);
   put(&Activations::rope_sin, t * half);
@@ -311,9 +320,9 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::sp_whole, sp ? n * c : 0);
   put(&Activations::ln_grads, sp ? 2 * c : 0);
   const int64_t nw = context > 1 ? n * context : 0;
-  put(&Activations::cp_gather, nw * qkv);
-  put(&Activations::cp_qkv, nw * qkv);
-  put(&Activations::cp_dqkv, nw * qkv);
+  put(&Activations::cp_gather, nw * (qkv - cf.gate_rows() / T));
+  put(&Activations::cp_qkv, nw * (qkv - cf.gate_rows() / T));
+  put(&Activations::cp_dqkv, nw * (qkv - cf.gate_rows() / T));
   if (a != nullptr) a->moe.assign(static_cast<size_t>(L), {});
   if (a != nullptr) a->shared.assign(static_cast<size_t>(L), {});
   for (int64_t l = l0; l < std::min(l1, L); ++l)  // what MoeActivations holds after a pass (moe_cpu.cpp's sizes)
@@ -355,13 +364,14 @@ int64_t CpuGPTModel::PlanActivationFloats(const ParamLayout& layout, bool sequen
 int64_t CpuGPTModel::ActivationFloats() const {
   const Activations& a = *act_;
   int64_t floats = 0;
-  for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean,
-                             &a.qk_rstd, &a.probs, &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
+  for (const auto* layers :
+       {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean, &a.qk_rstd, &a.probs,
+        &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu, &a.gate, &a.att_pre})
     for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
-  for (const auto* v :
-       {&a.lnf,       &a.dact,     &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd,  &a.logits, &a.losses,
-        &a.dloss,     &a.tmp,      &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,       &a.dqkv,   &a.datt,
-        &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads, &a.cp_gather, &a.cp_qkv, &a.cp_dqkv})
+  for (const auto* v : {&a.lnf,       &a.dact,   &a.rope_cos,  &a.rope_sin,  &a.lnf_mean, &a.lnf_rstd, &a.logits,
+                        &a.losses,    &a.dloss,  &a.tmp,       &a.dresid,    &a.dtmp,     &a.dln,      &a.dff,
+                        &a.dqkv,      &a.datt,   &a.xent_work, &a.sp_local,  &a.sp_buf,   &a.sp_whole, &a.ln_grads,
+                        &a.cp_gather, &a.cp_qkv, &a.cp_dqkv,   &a.qkv_fused, &a.dgate,    &a.l2_ones})
     floats += static_cast<int64_t>(v->size());
   for (const cpu::MoeActivations<float>& m : a.moe) {
     for (const auto* v : {&m.logits, &m.scores, &m.prob, &m.x, &m.fc1, &m.act, &m.scaled, &m.out, &m.dout, &m.dact,

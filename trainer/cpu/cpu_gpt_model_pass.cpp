@@ -76,13 +76,19 @@ void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
 }
 }  // namespace
 using cpu_model_detail::At;
+using cpu_model_detail::AttentionOut;
 using cpu_model_detail::MlpActivationBackward;
 using cpu_model_detail::MlpActivationForward;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
+using cpu_model_detail::OutputGateLayerBackward;
+using cpu_model_detail::OutputGateLayerForward;
 using cpu_model_detail::QKNormLayerBackward;
 using cpu_model_detail::QKNormLayerForward;
-using cpu_model_detail::QkvProductOut;
+using cpu_model_detail::QkvGateSplit;
+using cpu_model_detail::QkvMatmulGrad;
+using cpu_model_detail::QkvMatmulOut;
+using cpu_model_detail::QkvMatmulWidth;
 
 absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);
@@ -131,8 +137,9 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     if (cf.mla()) {  // multi-latent attention: its own projections and rotary embedding
       MlaQkvForward(l, lp);
     } else {
-      cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
-                         shape.qkv_width());
+      cpu::MatmulForward(QkvMatmulOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
+                         QkvMatmulWidth(cf, shape));
+      QkvGateSplit(cf, a, l, shape);
       QKNormLayerForward(cf, a, l, P, lp, shape);
       if (cf.rope())
         cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
@@ -142,9 +149,10 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     const AttentionShape core = CoreAttentionShape(shape, l, lp, false);
     if (cp())
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed));
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(AttentionOut(a, l, cf), probs, a.qkv[l].data(), core, ap, seed));
     else
-      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
+      cpu::AttentionForward(AttentionOut(a, l, cf), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
+    OutputGateLayerForward(cf, a, l, n, ct);
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout, context_positions_);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
@@ -261,14 +269,15 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
                         n, ct, c);
+    OutputGateLayerBackward(cf, a, l, n, ct);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     if (cf.mla()) {
       MlaQkvBackward(l, lp);
     } else {
       std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-      cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n,
-                          c, shape.qkv_width());
+      cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), QkvMatmulGrad(cf, a, shape), a.ln1[l].data(),
+                          P + lp.qkv_w, n, c, QkvMatmulWidth(cf, shape));
     }
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),

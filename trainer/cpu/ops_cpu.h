@@ -71,6 +71,21 @@ template <typename T>
 void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const T* wq, const T* wk, const T* mean,
                     const T* rstd, const AttentionShape& s, T w_offset = T(0));
 
+// ---- output_gate_cpu.cpp ---------------------------------------------------------------------
+// --attention-output-gate: the QKV product with gate heads, fused (b * t rows; per query group its query heads,
+// their gate heads, the key, the value head: Megatron's linear_qkv rows) split into the QKV buffer of
+// AttentionShape's layout and the gate (b * t rows of nh x hd, the query heads' order), and back (gradients).
+template <typename T>
+void SplitGatedQkv(T* qkv, T* gate, const T* fused, const AttentionShape& s);
+template <typename T>
+void MergeGatedQkv(T* fused, const T* qkv, const T* gate, const AttentionShape& s);
+// out = attn * sigmoid(gate) over n values; backward: dgate assigned, dattn (the output's gradient in) scaled in
+// place to the attention output's.
+template <typename T>
+void OutputGateForward(T* out, const T* attn, const T* gate, int64_t n);
+template <typename T>
+void OutputGateBackward(T* dattn, T* dgate, const T* attn, const T* gate, int64_t n);
+
 // ---- rope_cpu.cpp ----------------------------------------------------------------------------
 // Rotary position embedding (Megatron's apply_rotary_pos_emb) of the query and key heads of a fused
 // QKV buffer (b, t, qkv_width) in AttentionShape's layout, in place: pair i of each head rotated by

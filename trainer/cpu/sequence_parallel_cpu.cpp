@@ -71,13 +71,19 @@ void BiasGradRows(float* dbias, const float* dout, int64_t n, int64_t c) {
 
 }  // namespace
 using cpu_model_detail::At;
+using cpu_model_detail::AttentionOut;
 using cpu_model_detail::MlpActivationBackward;
 using cpu_model_detail::MlpActivationForward;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
+using cpu_model_detail::OutputGateLayerBackward;
+using cpu_model_detail::OutputGateLayerForward;
 using cpu_model_detail::QKNormLayerBackward;
 using cpu_model_detail::QKNormLayerForward;
-using cpu_model_detail::QkvProductOut;
+using cpu_model_detail::QkvGateSplit;
+using cpu_model_detail::QkvMatmulGrad;
+using cpu_model_detail::QkvMatmulOut;
+using cpu_model_detail::QkvMatmulWidth;
 
 absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c) {
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
@@ -162,7 +168,8 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
-    cpu::MatmulForward(QkvProductOut(a, l, cf), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    cpu::MatmulForward(QkvMatmulOut(a, l, cf), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, QkvMatmulWidth(cf, shape));
+    QkvGateSplit(cf, a, l, shape);
     QKNormLayerForward(cf, a, l, P, lp, shape);
     if (cf.rope())
       cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
@@ -174,9 +181,10 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     const AttentionShape core = CoreAttentionShape(shape, l, lp, false);  // the layer's window and softmax offset
     if (cp())
-      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed));
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(AttentionOut(a, l, cf), probs, a.qkv[l].data(), core, ap, seed));
     else
-      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
+      cpu::AttentionForward(AttentionOut(a, l, cf), probs, a.qkv[l].data(), core, ap, seed, a.streams.data());
+    OutputGateLayerForward(cf, a, l, n, ct);
     cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.proj_b), nl, c);
@@ -256,6 +264,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, static_cast<float*>(nullptr), a.dtmp.data(), a.atty[l].data(),
                         P + lp.proj_w, n, ct, c);
+    OutputGateLayerBackward(cf, a, l, n, ct);
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
@@ -263,8 +272,8 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), whole, P + lp.qkv_w, n, c,
-                        shape.qkv_width());
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), QkvMatmulGrad(cf, a, shape), whole, P + lp.qkv_w,
+                        n, c, QkvMatmulWidth(cf, shape));
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
