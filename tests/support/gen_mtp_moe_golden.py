@@ -16,14 +16,11 @@ pattern plus mtp_num_layers), and with expert bias each router's buffer after ea
 
 Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_mtp_moe_golden.py tests/data/trainer [NAME ...]
 """
-import json
 import os
-import struct
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
+import mcore_golden  # noqa: E402
 from gen_mla_golden import mla_core_attention  # noqa: E402
 
 STEPS = 3
@@ -55,11 +52,8 @@ GOLDENS = {
 
 def build(torch, g):
     import torch.nn.functional as F
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     c = dict(COMMON)
     c.update(g)
@@ -94,16 +88,7 @@ def build(torch, g):
                    max_sequence_length=c["max_position_embeddings"],
                    position_embedding_type=c["position_embedding_type"], share_embeddings_and_output_weights=False,
                    mtp_block_spec=mtp_spec)
-    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=gpt)
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=c["lr"], min_lr=c["min_lr"], weight_decay=c["weight_decay"], adam_beta1=c["adam_beta1"],
-        adam_beta2=c["adam_beta2"], adam_eps=c["adam_eps"], clip_grad=c["clip_grad"]), [model])
-    gbs = c["micro_batch_size"] * c["num_micro_batches"]
-    sched = OptimizerParamScheduler(opt, init_lr=c["lr"], max_lr=c["lr"], min_lr=c["min_lr"], lr_warmup_steps=0,
-                                    lr_decay_steps=100 * gbs, lr_decay_style="constant",
-                                    start_wd=c["weight_decay"], end_wd=c["weight_decay"], wd_incr_steps=100 * gbs,
-                                    wd_incr_style="constant")
-    return c, gpt, model, opt, sched
+    return (c, gpt) + mcore_golden.ddp_optimizer_scheduler(cfg, gpt, c)
 
 
 def moe_pattern(c):
@@ -114,107 +99,46 @@ def moe_pattern(c):
 
 
 def run(torch, name, g, out_dir):
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
-                                                         get_moe_layer_wise_logging_tracker)
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     torch.manual_seed(1234)
     MTPLossLoggingHelper.tracker.clear()
     get_moe_layer_wise_logging_tracker().clear()
     c, gpt, model, opt, sched = build(torch, g)
-    blob = bytearray()
-    tensors = {}
-
-    def put(key, t, fmt="<f"):
-        flat = t.detach().flatten().tolist()
-        tensors[key] = {"shape": list(t.shape), "offset": len(blob)}
-        blob.extend(struct.pack(f"<{len(flat)}{fmt[-1]}", *flat))
-
-    for n, p in gpt.named_parameters():
-        put("init:" + n, p.float())
-    gen = torch.Generator().manual_seed(7)
-    b, s, m = c["micro_batch_size"], c["seq_length"], c["num_micro_batches"]
-    tokens = torch.randint(0, c["vocab_size"], (STEPS * m, b, s + 1), generator=gen)
-    put("tokens", tokens[:, :, :-1].to(torch.int32), "<i")
-    put("labels", tokens[:, :, 1:].to(torch.int32), "<i")
-    mask = torch.ones(STEPS * m, b, s)
-    put("loss_mask", mask)
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    m = c["num_micro_batches"]
     pattern = moe_pattern(c)
     moe_layers = sum(pattern) + c["mtp_num_layers"]  # track_moe_metrics' num_moe_layers with mtp_num_layers
-    steps = []
-    for step in range(STEPS):
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        clear_aux_losses_tracker()
-        lm = 0.0
-        for k in range(m):
-            x, mk = tokens[step * m + k], mask[step * m + k]
-            MTPLossAutoScaler.set_loss_scale(torch.ones(1) / m)
-            losses = model(x[:, :-1], pos, None, labels=x[:, 1:], loss_mask=mk).float()
-            loss = (losses * mk).sum() / mk.sum() / m
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / m)
-            loss.backward()
-            lm += float(loss)
-        finalize_model_grads([model], num_tokens=None)
-        if step == 0:
-            for n, p in gpt.named_parameters():
-                put("grad:" + n, p.main_grad.float())
-        ok, grad_norm, _ = opt.step()
-        assert ok
-        sched.step(increment=b * m)
+    blob = mcore_golden.Blob()
+
+    def log_mtp_moe(step, record):
         values = MTPLossLoggingHelper.tracker["values"]
-        mtp = [float(v) / m for v in values]
+        record["mtp_losses"] = [float(v) / m for v in values]
         values.zero_()
         tracker = get_moe_layer_wise_logging_tracker()
         lbl = tracker["load_balancing_loss"]["values"] if "load_balancing_loss" in tracker else None
-        steps.append({"lm_loss": lm, "grad_norm": float(grad_norm), "mtp_losses": mtp,
-                      "load_balancing_loss": float((lbl * (1.0 / m)).sum() / moe_layers) if lbl is not None else 0.0,
-                      "load_balancing_loss_layers": [float(v) / m for v in lbl] if lbl is not None else []})
+        record["load_balancing_loss"] = float((lbl * (1.0 / m)).sum() / moe_layers) if lbl is not None else 0.0
+        record["load_balancing_loss_layers"] = [float(v) / m for v in lbl] if lbl is not None else []
         if c["moe_router_enable_expert_bias"]:
             for n, buf in gpt.named_buffers():
                 if n.endswith("router.expert_bias"):
-                    put(f"expert_bias:{step}:{n}", buf.float())
-    for n, p in gpt.named_parameters():
-        put("final:" + n, p.float())
-    from megatron.core import package_info
+                    blob.put(f"expert_bias:{step}:{n}", buf.float())
+
+    # moe and mtp: MoEAuxLossAutoScaler's and MTPLossAutoScaler's scale 1 / micro-batches, the aux losses'
+    # tracker cleared before each step, the loss mask passed to the forward.
+    steps = mcore_golden.train(torch, c, gpt, model, opt, sched, blob, STEPS, moe=True, mtp=True,
+                               on_step=log_mtp_moe)
     config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
     config["moe_layer_pattern"] = pattern
     config["untie"] = True
     config["expert_bias_keys"] = [n for n, _ in gpt.named_buffers() if n.endswith("router.expert_bias")]
-    meta = {"generator": "tests/support/gen_mtp_moe_golden.py", "megatron_core": package_info.__version__,
-            "torch": torch.__version__, "config": config, "steps": steps, "tensors": tensors,
-            "param_order": [n for n, _ in gpt.named_parameters()]}
-    with open(os.path.join(out_dir, name + ".json"), "w") as fh:
-        json.dump(meta, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-    with open(os.path.join(out_dir, name + ".bin"), "wb") as fh:
-        fh.write(bytes(blob))
-    print(f"wrote {name}: {steps}", file=sys.stderr)
-
+    mcore_golden.write_golden(torch, out_dir, name, "tests/support/gen_mtp_moe_golden.py", config, steps, blob, gpt)
 
 def main():
     out_dir = sys.argv[1]
-    import torch
-    import torch.distributed as dist
-    cpu_shims(torch)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        import megatron.core.tensor_parallel.random as mrandom
-        from megatron.core import parallel_state
-        mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
-        mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-        if not hasattr(moe_utils, "te_general_gemm"):  # its import sits under HAVE_TE (gen_moe_golden.py)
-            moe_utils.te_general_gemm = None
-        import megatron.core.transformer.multi_latent_attention as mla
-        mla.HAVE_TE = False  # its TE imports half succeed without TE (gen_mla_golden.py)
-        parallel_state.initialize_model_parallel(1, 1)
-        mrandom.model_parallel_cuda_manual_seed(1234)
+    # moe: moe_utils' te_general_gemm (gen_moe_golden.py); mla: multi_latent_attention without TE (gen_mla_golden.py).
+    with mcore_golden.one_cpu_rank(moe=True, mla=True) as torch:
         for name in sys.argv[2:] or list(GOLDENS):
             run(torch, name, GOLDENS[name], out_dir)
-        dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,12 @@
 """What the goldens that train megatron-core's own GPT on the CPU share (gen_swa_golden.py,
-gen_gated_attention_golden.py, gen_mla_golden.py, gen_mtp_golden.py, gen_mtp_moe_golden.py, gen_moe_golden.py,
-gen_moe_shared_golden.py): megatron-core 0.16.1 on one gloo rank with the CUDA calls pointed at the CPU
-(make_torch_dist_distopt_fixture.cpu_shims), the model wrapped in its DistributedDataParallel and stepped by its
-optimizer (get_megatron_optimizer: Adam with decoupled weight decay, clipping) and OptimizerParamScheduler (a
-constant learning rate), each micro-batch's loss the masked mean over its tokens divided by the number of
-micro-batches (or with --calculate-per-token-loss the masked sum, the gradients divided by the global batch's loss
-tokens in finalize_model_grads), as megatron-core's schedules do.
+gen_gated_attention_golden.py, gen_mla_golden.py, gen_mtp_golden.py, gen_mtp_moe_golden.py; gen_moe_golden.py and
+gen_moe_shared_golden.py still have their own copy: unchanged, they no longer reproduce their committed goldens byte
+for byte, so a move could not be checked against them): megatron-core 0.16.1 on one gloo rank with the CUDA calls
+pointed at the CPU (make_torch_dist_distopt_fixture.cpu_shims), the model wrapped in its DistributedDataParallel and
+stepped by its optimizer (get_megatron_optimizer: Adam with decoupled weight decay, clipping) and
+OptimizerParamScheduler (a constant learning rate), each micro-batch's loss the masked mean over its tokens divided
+by the number of micro-batches (or with --calculate-per-token-loss the masked sum, the gradients divided by the
+global batch's loss tokens in finalize_model_grads), as megatron-core's schedules do.
 
 A golden is NAME.json (sort_keys, indent 1: the generator, the versions, the configuration, per step the lm loss
 and grad norm and what the script adds, the tensor directory: key -> shape and byte offset, and the parameters'
@@ -89,13 +90,13 @@ class Blob:
 
 
 def train(torch, c, gpt, model, opt, sched, blob, steps, moe=False, mtp=False, on_step=None):
-    """`steps` optimizer steps of c["num_micro_batches"] micro-batches (c's micro_batch_size x seq_length tokens
-    below vocab_size, torch.Generator seed 7; with c["calculate_per_token_loss"] a quarter of them masked, seed
-    11), written to blob with the initial weights, the first step's gradients and the final weights. With moe,
-    the aux losses' tracker cleared before each step and MoEAuxLossAutoScaler given the schedule's loss scale (1 /
+    """`steps` optimizer steps of c["num_micro_batches"] micro-batches (c's micro_batch_size x seq_length tokens below
+    vocab_size, torch.Generator seed 7; with c["calculate_per_token_loss"] a quarter of them masked, seed 11),
+    written to blob with the initial weights, the first step's gradients and the final weights. With moe, the aux
+    losses' tracker cleared before each step and MoEAuxLossAutoScaler given the schedule's loss scale (1 /
     micro-batches; 1 per token) before each backward; with mtp, MTPLossAutoScaler given it and the model's forward
-    the loss mask. Each step's record is {"lm_loss", "grad_norm"}; on_step(step, record), if given, runs after the scheduler's step
-    and may add to the record and write to blob. Returns the records."""
+    the loss mask. Each step's record is {"lm_loss", "grad_norm"}; on_step(step, record), if given, runs after the
+    scheduler's step and may add to the record and write to blob. Returns the records."""
     from megatron.core.distributed import finalize_model_grads
     scalers = []
     if moe:
@@ -128,7 +129,7 @@ def train(torch, c, gpt, model, opt, sched, blob, steps, moe=False, mtp=False, o
             x, mk = tokens[step * m + k], mask[step * m + k]
             extra = {"loss_mask": mk} if mtp else {}
             losses = model(x[:, :-1], pos, None, labels=x[:, 1:], **extra).float()
-            # pretrain_gpt's loss_func and the schedule's scaling (forward_step_calc_loss, the auto-scalers' scale).
+            # pretrain_gpt's loss_func and the schedule's scaling (forward_step_calc_loss, the auto-scalers').
             loss = (losses * mk).sum() if per_token else (losses * mk).sum() / mk.sum() / m
             for cls in scalers:
                 cls.set_loss_scale(torch.ones(1) if per_token else torch.ones(1) / m)
