@@ -30,30 +30,7 @@ absl::Status CheckQwen2MoeExportable(const GPTConfig& c, const std::string& file
     why.push_back(
         "--moe-shared-expert-intermediate-size without --moe-shared-expert-gate (Qwen2-MoE scales its shared "
         "expert by sigmoid(shared_expert_gate), always)");
-  if (c.moe_router_sigmoid)
-    why.push_back("--moe-router-score-function sigmoid (Qwen2-MoE routes by a softmax over the experts' logits)");
-  if (c.moe_router_topk_scaling_factor > 0)
-    why.push_back(fmt::format("--moe-router-topk-scaling-factor {} (Qwen2-MoE's probabilities are not scaled)",
-                              Num(c.moe_router_topk_scaling_factor)));
-  if (c.moe_router_group_topk > 0)
-    why.push_back(fmt::format("--moe-router-group-topk {} (Qwen2-MoE routes among all experts, not limited groups)",
-                              c.moe_router_group_topk));
-  if (c.moe_layers() == 0) why.push_back("--moe-layer-freq with no MoE layer");
-  if (!c.swiglu)
-    why.push_back(
-        fmt::format("{} MLPs without --swiglu (Qwen2-MoE's are SwiGLU's)", c.squared_relu ? "squared-ReLU" : "GELU"));
-  if (c.normalization != Normalization::kRMSNorm)
-    why.push_back("--normalization LayerNorm (Qwen2-MoE normalizes with RMSNorm)");
-  if (c.position_embedding != PositionEmbedding::kRope)
-    why.push_back(fmt::format("--position-embedding-type {} (Qwen2-MoE has rotary positions only)",
-                              c.position_embedding == PositionEmbedding::kNone ? "none" : "learned_absolute"));
-  else if (c.rotary_percent != 1.0)
-    why.push_back(
-        fmt::format("--rotary-percent {} (Qwen2-MoE rotates every channel of a head)", Num(c.rotary_percent)));
-  if (c.rope() && c.use_rope_scaling && c.rotary_seq_len_interpolation_factor > 0)
-    why.push_back(
-        "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers' rope_scaling is one of "
-        "llama3 and linear)");
+  AppendQwenMoeRefusals(c, "Qwen2-MoE", &why);
   if (c.add_bias_linear)
     why.push_back(
         "linear biases (Qwen2-MoE biases q, k and v only: --disable-bias-linear, with or without --add-qkv-bias)");

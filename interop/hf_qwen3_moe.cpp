@@ -24,35 +24,39 @@ std::string LayerFreq(const GPTConfig& c) {  // as ptk-train records --moe-layer
 
 }  // namespace
 
+void AppendQwenMoeRefusals(const GPTConfig& c, std::string_view cls, std::vector<std::string>* why) {
+  if (c.moe_router_sigmoid)
+    why->push_back(
+        fmt::format("--moe-router-score-function sigmoid ({} routes by a softmax over the experts' logits)", cls));
+  if (c.moe_router_topk_scaling_factor > 0)
+    why->push_back(fmt::format("--moe-router-topk-scaling-factor {} ({}'s probabilities are not scaled)",
+                               Num(c.moe_router_topk_scaling_factor), cls));
+  if (c.moe_router_group_topk > 0)
+    why->push_back(fmt::format("--moe-router-group-topk {} ({} routes among all experts, not limited groups)",
+                               c.moe_router_group_topk, cls));
+  if (c.moe_layers() == 0) why->push_back("--moe-layer-freq with no MoE layer");
+  if (!c.swiglu)
+    why->push_back(
+        fmt::format("{} MLPs without --swiglu ({}'s are SwiGLU's)", c.squared_relu ? "squared-ReLU" : "GELU", cls));
+  if (c.normalization != Normalization::kRMSNorm)
+    why->push_back(fmt::format("--normalization LayerNorm ({} normalizes with RMSNorm)", cls));
+  if (c.position_embedding != PositionEmbedding::kRope)
+    why->push_back(fmt::format("--position-embedding-type {} ({} has rotary positions only)",
+                               c.position_embedding == PositionEmbedding::kNone ? "none" : "learned_absolute", cls));
+  else if (c.rotary_percent != 1.0)
+    why->push_back(fmt::format("--rotary-percent {} ({} rotates every channel of a head)", Num(c.rotary_percent), cls));
+  if (c.rope() && c.use_rope_scaling && c.rotary_seq_len_interpolation_factor > 0)
+    why->push_back(
+        "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers' rope_scaling is one of "
+        "llama3 and linear)");
+}
+
 absl::Status CheckQwen3MoeExportable(const GPTConfig& c, const std::string& file) {
   std::vector<std::string> why;
-  if (c.moe_router_sigmoid)
-    why.push_back("--moe-router-score-function sigmoid (Qwen3-MoE routes by a softmax over the experts' logits)");
-  if (c.moe_router_topk_scaling_factor > 0)
-    why.push_back(fmt::format("--moe-router-topk-scaling-factor {} (Qwen3-MoE's probabilities are not scaled)",
-                              Num(c.moe_router_topk_scaling_factor)));
-  if (c.moe_router_group_topk > 0)
-    why.push_back(fmt::format("--moe-router-group-topk {} (Qwen3-MoE routes among all experts, not limited groups)",
-                              c.moe_router_group_topk));
   if (c.moe_shared_expert_intermediate_size > 0)
     why.push_back(fmt::format("--moe-shared-expert-intermediate-size {} (Qwen3-MoE has no shared experts)",
                               c.moe_shared_expert_intermediate_size));
-  if (c.moe_layers() == 0) why.push_back("--moe-layer-freq with no MoE layer");
-  if (!c.swiglu)
-    why.push_back(
-        fmt::format("{} MLPs without --swiglu (Qwen3-MoE's are SwiGLU's)", c.squared_relu ? "squared-ReLU" : "GELU"));
-  if (c.normalization != Normalization::kRMSNorm)
-    why.push_back("--normalization LayerNorm (Qwen3-MoE normalizes with RMSNorm)");
-  if (c.position_embedding != PositionEmbedding::kRope)
-    why.push_back(fmt::format("--position-embedding-type {} (Qwen3-MoE has rotary positions only)",
-                              c.position_embedding == PositionEmbedding::kNone ? "none" : "learned_absolute"));
-  else if (c.rotary_percent != 1.0)
-    why.push_back(
-        fmt::format("--rotary-percent {} (Qwen3-MoE rotates every channel of a head)", Num(c.rotary_percent)));
-  if (c.rope() && c.use_rope_scaling && c.rotary_seq_len_interpolation_factor > 0)
-    why.push_back(
-        "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers' rope_scaling is one of "
-        "llama3 and linear)");
+  AppendQwenMoeRefusals(c, "Qwen3-MoE", &why);
   if (c.add_bias_linear || c.add_qkv_bias) why.push_back("linear biases (Qwen3-MoE's linear layers have none)");
   if (why.empty()) return absl::OkStatus();
   std::string list;

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,10 @@
 #include "trainer/param_layout.h"
 
 namespace ptk::hf_detail {
+
+// The reasons a MoE model of the Llama line is not one Qwen3-MoE or Qwen2-MoE (`cls`) computes, as far as both
+// share them (routing, MLP, norm, positions), appended to `why`: one place for both classes' messages.
+void AppendQwenMoeRefusals(const GPTConfig& c, std::string_view cls, std::vector<std::string>* why);
 
 // OK when Qwen3MoeForCausalLM computes the MoE model `c` describes: RMSNorm, RoPE over every channel (plain,
 // Llama 3.x's or linear scaling), the query and key norms (--qk-layernorm), SwiGLU, no biases, any head_dim
