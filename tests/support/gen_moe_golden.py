@@ -25,20 +25,20 @@ expert_bias:L, the buffer after the update), and the seq_aux_loss and global_aux
 seq_load_balancing_loss and global_load_balancing_loss; global_aux_loss's token counts reset by the same
 finalize_model_grads).
 
-moe_gelu, moe_swiglu, moe_sigmoid and moe_per_token were written before the router's options and are kept
-as they were (rewritten, their fp32 gradients differ in the last bits, up to 7e-3 relative in the smallest
-ones); their files lack the options' keys, which the test reads as Megatron's defaults.
+The training loop, the optimizer and the files' layout are mcore_golden.py's (shared with the other megatron-core
+goldens); this script adds the MoE settings, the load-balancing losses' logging and the expert bias per step.
+Every golden was rewritten by this script as it is (the four oldest, moe_gelu, moe_swiglu, moe_sigmoid and
+moe_per_token, had been written by an earlier version: their fp32 gradients changed in the last bits, up to 7e-3
+relative in the smallest, within the test's tolerances; the others only gained the router's option keys).
 
 Usage: PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_moe_golden.py tests/data/trainer [NAME ...]
 """
-import json
 import os
-import struct
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
+import mcore_golden  # noqa: E402
 
 STEPS = 3
 COMMON = dict(num_layers=3, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, seq_length=8,
@@ -114,15 +114,15 @@ ROUTER_DEFAULTS = dict(moe_z_loss_coeff=None, moe_router_topk_scaling_factor=Non
 # The load-balancing options' defaults (Megatron's), which the goldens above leave out.
 BALANCE_DEFAULTS = dict(moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
                         moe_router_load_balancing_type="aux_loss")
+# TransformerConfig fields a golden may set beyond the above (gen_moe_shared_golden.py's shared experts), with their
+# defaults' types: recorded in the golden's config as given (the gate as 0 or 1), passed as that type.
+EXTRA_CONFIG = dict(moe_shared_expert_intermediate_size=0, moe_shared_expert_gate=False)
 
 
 def build(torch, g):
     import torch.nn.functional as F
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
     c = dict(COMMON, **ROUTER_DEFAULTS, **BALANCE_DEFAULTS)
     c.update(g)
@@ -144,91 +144,41 @@ def build(torch, g):
         moe_router_bias_update_rate=c["moe_router_bias_update_rate"],
         moe_expert_capacity_factor=c.get("moe_expert_capacity_factor"),
         moe_token_drop_policy=c.get("moe_token_drop_policy", "probs"),
-        moe_pad_expert_input_to_capacity=c.get("moe_pad_expert_input_to_capacity", False))
+        moe_pad_expert_input_to_capacity=c.get("moe_pad_expert_input_to_capacity", False),
+        **{k: type(v)(c[k]) for k, v in EXTRA_CONFIG.items() if k in c})
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
                    max_sequence_length=c["max_position_embeddings"], position_embedding_type="learned_absolute",
                    share_embeddings_and_output_weights=False)
-    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=gpt)
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=c["lr"], min_lr=c["min_lr"], weight_decay=c["weight_decay"], adam_beta1=c["adam_beta1"],
-        adam_beta2=c["adam_beta2"], adam_eps=c["adam_eps"], clip_grad=c["clip_grad"]), [model])
-    gbs = c["micro_batch_size"] * c["num_micro_batches"]
-    sched = OptimizerParamScheduler(opt, init_lr=c["lr"], max_lr=c["lr"], min_lr=c["min_lr"], lr_warmup_steps=0,
-                                    lr_decay_steps=100 * gbs, lr_decay_style="constant",
-                                    start_wd=c["weight_decay"], end_wd=c["weight_decay"], wd_incr_steps=100 * gbs,
-                                    wd_incr_style="constant")
-    return c, gpt, model, opt, sched
+    return (c, gpt) + mcore_golden.ddp_optimizer_scheduler(cfg, gpt, c)
 
 
 def run(torch, name, g, out_dir):
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
-                                                         get_moe_layer_wise_logging_tracker)
+    """Trains golden `name` (settings g) and writes OUT_DIR/NAME.{json,bin}; returns the step records and the
+    tensors' bytes."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     torch.manual_seed(1234)
     get_moe_layer_wise_logging_tracker().clear()  # a fresh run's: its entries in the order its layers save them
     c, gpt, model, opt, sched = build(torch, g)
-    blob = bytearray()
-    tensors = {}
-
-    def put(key, t, fmt="<f"):
-        flat = t.detach().flatten().tolist()
-        tensors[key] = {"shape": list(t.shape), "offset": len(blob)}
-        blob.extend(struct.pack(f"<{len(flat)}{fmt[-1]}", *flat))
-
-    for n, p in gpt.named_parameters():
-        put("init:" + n, p.float())
-    gen = torch.Generator().manual_seed(7)
-    b, s, m = c["micro_batch_size"], c["seq_length"], c["num_micro_batches"]
-    tokens = torch.randint(0, c["vocab_size"], (STEPS * m, b, s + 1), generator=gen)
-    put("tokens", tokens[:, :, :-1].to(torch.int32), "<i")
-    put("labels", tokens[:, :, 1:].to(torch.int32), "<i")
-    per_token = c["calculate_per_token_loss"]
-    # --calculate-per-token-loss: a quarter of the tokens masked, so that its scaling (the router's tokens,
-    # padding too, over the loss's) differs from 1 / micro-batches.
-    mask = ((torch.rand(STEPS * m, b, s, generator=torch.Generator().manual_seed(11)) > 0.25).float() if per_token
-            else torch.ones(STEPS * m, b, s))
-    put("loss_mask", mask)
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    blob = mcore_golden.Blob()
+    m = c["num_micro_batches"]
     moe_layers = sum(c["moe_layer_freq"]) if isinstance(c["moe_layer_freq"], list) else c["num_layers"]
-    steps = []
-    for step in range(STEPS):
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        clear_aux_losses_tracker()
-        lm, total = 0.0, float(mask[step * m:(step + 1) * m].sum())
-        for k in range(m):
-            x, mk = tokens[step * m + k], mask[step * m + k]
-            losses = model(x[:, :-1], pos, None, labels=x[:, 1:]).float()
-            # pretrain_gpt's loss_func and the schedule's scaling (forward_step_calc_loss, MoE's set_loss_scale).
-            loss = (losses * mk).sum() if per_token else (losses * mk).sum() / mk.sum() / m
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) if per_token else torch.ones(1) / m)
-            loss.backward()
-            lm += float(loss) / total if per_token else float(loss)
-        # Megatron-LM's finalize_model_grads: the data-parallel reduction, and with per-token loss the
-        # division by the global batch's loss tokens.
-        finalize_model_grads([model], num_tokens=torch.tensor(total) if per_token else None)
-        if step == 0:
-            for n, p in gpt.named_parameters():
-                put("grad:" + n, p.main_grad.float())
-        ok, grad_norm, _ = opt.step()
-        assert ok
-        sched.step(increment=b * m)
+
+    def on_step(step, record):
+        # Megatron-LM's training_log: the tracker's per-layer sums x 1 / micro-batches, over the MoE layers.
         tracker = get_moe_layer_wise_logging_tracker()
         logged = {k: float((tracker[k]["values"] * (1.0 / m)).sum() / moe_layers) for k in tracker}
-        steps.append({"lm_loss": lm, "grad_norm": float(grad_norm),
-                      "load_balancing_loss": logged.get("load_balancing_loss", 0.0), "z_loss": logged.get("z_loss", 0.0),
-                      "tracker_order": list(tracker)})
+        record.update({"load_balancing_loss": logged.get("load_balancing_loss", 0.0),
+                       "z_loss": logged.get("z_loss", 0.0), "tracker_order": list(tracker)})
         for k in ("seq_load_balancing_loss", "global_load_balancing_loss"):
             if k in logged:
-                steps[-1][k] = logged[k]
+                record[k] = logged[k]
         if c["moe_router_enable_expert_bias"]:
             for n, buf in gpt.named_buffers():
                 if n.endswith("router.expert_bias"):
-                    put(f"expert_bias:{step}:{n}", buf.float())
-    for n, p in gpt.named_parameters():
-        put("final:" + n, p.float())
-    from megatron.core import package_info
+                    blob.put(f"expert_bias:{step}:{n}", buf.float())
+
+    steps = mcore_golden.train(torch, c, gpt, model, opt, sched, blob, STEPS, moe=True, on_step=on_step)
     config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
     config["moe_ffn_hidden_size"] = c["moe_ffn_hidden_size"] or 0
     for k in ROUTER_DEFAULTS:  # None: 0
@@ -237,16 +187,8 @@ def run(torch, name, g, out_dir):
         config["state_dict_keys"] = [k for k in gpt.state_dict() if "router" in k]
     config["moe_layer_pattern"] = (c["moe_layer_freq"] if isinstance(c["moe_layer_freq"], list)
                                    else [1 if i % c["moe_layer_freq"] == 0 else 0 for i in range(c["num_layers"])])
-    meta = {"generator": "tests/support/gen_moe_golden.py", "megatron_core": package_info.__version__,
-            "torch": torch.__version__, "config": config, "steps": steps, "tensors": tensors,
-            "param_order": [n for n, _ in gpt.named_parameters()]}
-    with open(os.path.join(out_dir, name + ".json"), "w") as fh:
-        json.dump(meta, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-    with open(os.path.join(out_dir, name + ".bin"), "wb") as fh:
-        fh.write(bytes(blob))
-    print(f"wrote {name}: {steps}", file=sys.stderr)
-    return steps, bytes(blob)
+    mcore_golden.write_golden(torch, out_dir, name, "tests/support/gen_moe_golden.py", config, steps, blob, gpt)
+    return steps, bytes(blob.blob)
 
 
 # Token dropping's count over a run, and how often torch's own top-k kept another set than the stable one.
@@ -308,20 +250,7 @@ def run_capacity(torch, name, g, out_dir):
 
 def main():
     out_dir = sys.argv[1]
-    import torch
-    import torch.distributed as dist
-    cpu_shims(torch)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        import megatron.core.tensor_parallel.random as mrandom
-        from megatron.core import parallel_state
-        mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
-        mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-        if not hasattr(moe_utils, "te_general_gemm"):  # its import sits under HAVE_TE: the torch.mm path without TE
-            moe_utils.te_general_gemm = None
-        parallel_state.initialize_model_parallel(1, 1)
-        mrandom.model_parallel_cuda_manual_seed(1234)
+    with mcore_golden.one_cpu_rank(moe=True) as torch:
         names = sys.argv[2:] or list(GOLDENS)  # some of them: the others' files stay as they are
         stable_token_dropping(torch)
         for name in names:
@@ -329,7 +258,6 @@ def main():
                 run_capacity(torch, name, GOLDENS[name], out_dir)
             else:
                 run(torch, name, GOLDENS[name], out_dir)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

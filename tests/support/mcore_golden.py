@@ -1,7 +1,6 @@
 """What the goldens that train megatron-core's own GPT on the CPU share (gen_swa_golden.py,
-gen_gated_attention_golden.py, gen_mla_golden.py, gen_mtp_golden.py, gen_mtp_moe_golden.py; gen_moe_golden.py and
-gen_moe_shared_golden.py still have their own copy: unchanged, they no longer reproduce their committed goldens byte
-for byte, so a move could not be checked against them): megatron-core 0.16.1 on one gloo rank with the CUDA calls
+gen_gated_attention_golden.py, gen_mla_golden.py, gen_mtp_golden.py, gen_mtp_moe_golden.py, gen_moe_golden.py and
+gen_moe_shared_golden.py): megatron-core 0.16.1 on one gloo rank with the CUDA calls
 pointed at the CPU (make_torch_dist_distopt_fixture.cpu_shims), the model wrapped in its DistributedDataParallel and
 stepped by its optimizer (get_megatron_optimizer: Adam with decoupled weight decay, clipping) and
 OptimizerParamScheduler (a constant learning rate), each micro-batch's loss the masked mean over its tokens divided
