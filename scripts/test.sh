@@ -8,6 +8,8 @@
 #      again under AddressSanitizer + UBSan
 #   5. build-tsan/ : the multi-threaded GPTDataset build, index validation and loader, and the
 #      oneTBB tokenize pipeline, under ThreadSanitizer
+#   4 and 5 (scripts/test-sanitizers.sh) run beside 2 and 3 at the lowest CPU priority, their output after ctest's
+# Environment: PTK_JOBS (parallel jobs, default nproc), PTK_CTEST_JOBS (ctest's -j, default PTK_JOBS).
 set -euo pipefail
 # It takes no argument: `--help` (or a test name) used to start the whole 25-minute run.
 case "${1:-}" in
@@ -47,61 +49,27 @@ bash scripts/check-rules.sh
 phase "dependencies"
 bash scripts/install-deps.sh --with-python-ref
 
+# The sanitizer builds and their tests (scripts/test-sanitizers.sh: steps 4 and 5) run from here on beside the main
+# build and ctest at the lowest CPU priority (nice 19): they take the CPU those leave idle (the build's serial links
+# and last long files, the tests' waits for ranks, servers and other processes) and finish after ctest with the
+# rest. In a session of their own, so that an exit or a failure here ends them; their output follows ctest's.
+SAN_LOG=$(mktemp)
+setsid -w nice -n 19 bash scripts/test-sanitizers.sh >"$SAN_LOG" 2>&1 &
+san_pid=$!
+trap '[ -z "$san_pid" ] || kill -- -"$san_pid" 2>/dev/null; rm -f "$TIMES_FILE" "$SAN_LOG"' EXIT
+trap 'exit 130' INT TERM
+
 phase "build"
 bash scripts/build.sh build
 phase "ctest"
-(cd build && ctest --output-on-failure -j "$JOBS" --timeout 900)
+(cd build && ctest --output-on-failure -j "${PTK_CTEST_JOBS:-$JOBS}" --timeout 900)
 
-# The sanitizer builds' tests: TREE/tests/T for each T, $JOBS at a time as ctest runs the tests, each
-# one's output in TREE/logs/T.log, printed when it fails; fails when any of them fails (xargs). The
-# sanitizer's options come from the environment.
-sanitized_run() {
-  local tree=$1 t=$2 filter=()
-  [[ $t == bpe_test ]] && filter=(--gtest_filter=-Bpe.LongPiecesAreNotQuadratic)  # 1 MB pieces: slow under ASan
-  if "$tree/tests/$t" "${filter[@]}" >"$tree/logs/$t.log" 2>&1; then
-    echo "$tree: $t passed" >&2
-  else
-    cat "$tree/logs/$t.log" >&2
-    echo "$tree: $t FAILED ($tree/logs/$t.log)" >&2
-    return 1
-  fi
-}
-export -f sanitized_run
-run_sanitized() {  # TREE TEST...
-  local tree=$1
-  shift
-  mkdir -p "$tree/logs"
-  printf '%s\n' "$@" | xargs -P "$JOBS" -I{} bash -c 'sanitized_run "$1" "$2"' _ "$tree" {}
-}
-
-phase "ASan + UBSan build and tests"
-# Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
-# The sanitizer builds carry line tables only (-g1): a report's frames keep their file and line.
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
-  -DPTK_SANITIZE=address,undefined \
-  -DCMAKE_CXX_FLAGS_DEBUG=-g1 >/dev/null
-ASAN_TESTS=(bpe_test gpt_dataset_test indexed_dataset_error_test indexed_dataset_test utf8_test json_writer_test ops_test
-  gpt_model_golden_test op_math_test train_step_test grad_buckets_test safetensors_test)  # the longest first
-cmake --build build-asan -j "$JOBS" --target "${ASAN_TESTS[@]}"
-export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-run_sanitized build-asan "${ASAN_TESTS[@]}"
-
-phase "TSan build and tests"
-# Data races in the threaded index build (drawing thread + ring), the two-thread index
-# validation, the prefetching loader and the tokenize pipeline.
-cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
-  -DPTK_SANITIZE=thread \
-  -DCMAKE_CXX_FLAGS_DEBUG=-g1 >/dev/null
-# The oneTBB tokenize pipeline (reader, parallel encoders, sink) with 1-4 workers; oneTBB's own
-# hand-offs are marked for TSan in the code (common/happens_before.h).
-TSAN_TESTS=(gpt_dataset_test tokenize_golden_test indexed_dataset_test)  # the longest first
-cmake --build build-tsan -j "$JOBS" --target "${TSAN_TESTS[@]}" ptk-tokenize
-# ignore_noninstrumented_modules: accesses that oneTBB's own (uninstrumented) code makes through intercepted calls
-# (memcmp, delete[]) are not checked: their synchronisation is atomics TSan cannot see, so with the arena raised above
-# the CPUs (tbb::global_control, ptk-tokenize --workers) it reported a race inside libtbb alone, stack and all. ptk's
-# own accesses, and its hand-offs through oneTBB (common/happens_before.h), are checked as before.
-export TSAN_OPTIONS=halt_on_error=1:ignore_noninstrumented_modules=1
-run_sanitized build-tsan "${TSAN_TESTS[@]}"
+phase "sanitizers: what ctest left"
+# What the sanitizers' run had left when ctest ended (its CPU time is all of its own); its output.
+if wait "$san_pid"; then san_rc=0; else san_rc=$?; fi
+san_pid=""
+cat "$SAN_LOG" >&2
+[ "$san_rc" = 0 ] || { echo "test.sh: the sanitizer builds or tests failed (scripts/test-sanitizers.sh, above)" >&2; exit 1; }
 phase ""
 children_cpu
 printf 'test.sh: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2

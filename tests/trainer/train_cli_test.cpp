@@ -932,12 +932,13 @@ TEST_F(TrainCli, ImpossibleNumbersAreRefusedNamingTheFlag) {
 }
 
 // Point 5: a loss that goes NaN stops the run with the iteration, the rank and which went bad;
-// Megatron's --no-check-for-nan-in-loss-and-grad skips such iterations instead.
+// Megatron's --no-check-for-nan-in-loss-and-grad skips such iterations instead. --lr 1e20 makes the loss NaN
+// at iteration 2: with --lr 1e6 the two iterations of huge but finite weights before it took ~3 CPU seconds each.
 TEST_F(TrainCli, NanLossStopsTheRun) {
   const std::string mock =
       testing::Tool("ptk-train") +
       " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2"
-      " --global-batch-size 4 --train-iters 30 --lr 1e6 --mock-data --eval-iters 0 --log-interval 5 --threads 1 ";
+      " --global-batch-size 4 --train-iters 30 --lr 1e20 --mock-data --eval-iters 0 --log-interval 5 --threads 1 ";
   auto r = RunCmd(mock + "--save " + ShellQuote(dir_ / "nan"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("error: iteration \\d+ \\(rank 0\\): the loss is NaN")))
