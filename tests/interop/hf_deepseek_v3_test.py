@@ -14,6 +14,9 @@ Checks:
     e_score_correction_bias, or rope_interleave false, moves the logits past the tolerance (the expert bias and the
     rotary layout are the ones ptk computes);
   * the same with plain RoPE, every layer a mixture without groups, top 1 (norm_topk_prob false), tied;
+  * without --q-lora-rank (q_proj, which transformers 4.51.3's DeepseekV3Attention cannot build: it always makes
+    q_a_proj) against transformers 4.53.3 from /opt/ptk-pyref/transformers-dsv3 in a subprocess, where that folder
+    is there (it needs torch 2.1 or later; a banner says NOT CHECKED otherwise);
   * a dense MLA model (no experts: first_k_dense_replace = num_hidden_layers);
   * export -> import -> export is byte-identical; ptk-train --finetune trains on from the import with the flags
     ptk-convert prints;
@@ -21,13 +24,16 @@ Checks:
     --qk-layernorm, a softmax router, MTP layers.
 Usage: hf_deepseek_v3_test.py BIN_DIR TEST_BIN_DIR
 """
+import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 
 os.environ["PTK_HF_REFERENCE"] = "qwen3"  # hf_test_common: transformers 4.51.3 from transformers-qwen3
 from hf_test_common import (BIN, TOL, check, check_finetune, compare_logits, finish, hf_logits, load_checked,  # noqa: E402
-                            numpy, run, torch)
+                            numpy, ptk_logits, run, torch)
 from transformers import DeepseekV3ForCausalLM  # noqa: E402
 
 rng = random.Random(47)
@@ -51,6 +57,20 @@ ROPE = COMMON + MOE + ["--q-lora-rank", "16", "--rope-type", "rope", "--max-posi
                        "--moe-router-topk", "1"]
 DENSE = COMMON + ["--q-lora-rank", "16", "--rope-type", "rope", "--max-position-embeddings", "1024"]
 CONVERT = os.path.join(BIN, "ptk-convert")
+# transformers 4.53.3 (q_proj without a query latent), run apart from 4.51.3: its logits of each sequence as float32.
+DSV3 = [d for d in (os.path.join(r, "transformers-dsv3") for r in (os.environ.get("PTK_PYREF_DIR"), "/opt/ptk-pyref")
+                    if r) if os.path.isdir(d)]
+QPROJ = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy, torch, transformers
+from transformers import DeepseekV3ForCausalLM
+m = DeepseekV3ForCausalLM.from_pretrained(sys.argv[2]).eval()
+with torch.no_grad():
+    out = [m(torch.tensor([s]), use_cache=False).logits[0].numpy() for s in json.loads(sys.argv[3])]
+numpy.concatenate(out).astype(numpy.float32).tofile(sys.argv[4])
+print("transformers", transformers.__version__)
+"""
 
 
 def export(ck, hf, expect=0):
@@ -88,6 +108,25 @@ with tempfile.TemporaryDirectory() as tmp:
         for name in sorted(os.listdir(hf)):
             check(open(os.path.join(hf, name), "rb").read() == open(os.path.join(hf2, name), "rb").read(),
                   "{}: export -> import -> export: {} differs".format(tag, name))
+
+    # ---- no query latent: q_proj, against transformers 4.53.3
+    ck, hf, out = os.path.join(tmp, "ck-qproj"), os.path.join(tmp, "hf-qproj"), os.path.join(tmp, "qproj.f32")
+    run(COMMON + MOE + ["--rope-type", "rope", "--max-position-embeddings", "1024", "--moe-router-topk", "2",
+                        "--train-iters", "6", "--save", ck])
+    export(ck, hf)
+    r = subprocess.run([sys.executable, "-c", QPROJ, DSV3[0], hf, json.dumps(SEQS), out], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True) if DSV3 else None
+    if r is None or r.returncode != 0:
+        print("!" * 80 + "\nq_proj NOT CHECKED against transformers 4.53.3: {}\n".format(
+            "no transformers-dsv3 folder" if r is None else r.stdout[-500:]) + "!" * 80)
+    else:
+        theirs, at = numpy.fromfile(out, dtype=numpy.float32), 0
+        worst = 0.0
+        for seq, ours in zip(SEQS, ptk_logits(ck, SEQS, 50257, tmp)):
+            worst = max(worst, float(numpy.abs(theirs[at:at + ours.size] - ours.ravel()).max()))
+            at += ours.size
+        check(at == theirs.size and worst <= TOL, "q_proj: logits differ by {} ({})".format(worst, r.stdout))
+        print("q_proj: ptk's and {}'s logits differ by at most {:.3g}".format(r.stdout.strip(), worst))
 
     # ---- refusals: one line naming the flag, nothing written
     for tag, flags, want in (
