@@ -130,7 +130,7 @@ absl::Status ReadDeepseekRope(const HfConfigReader& r, GPTConfig* c) {
   const double factor = get("factor", 1.0), max = static_cast<double>(c->max_position_embeddings);
   const double original = get("original_max_position_embeddings", max);
   const double freq_factor = v.count("original_max_position_embeddings") ? max / original : factor;
-  if (original != static_cast<double>(kMlaYarnOriginalContext) || freq_factor != factor)
+  if ((original != static_cast<double>(kMlaYarnOriginalContext) && factor != 1) || freq_factor != factor)
     return r.Bad(fmt::format(
         "rope_scaling yarn with factor {}, original context {} and max_position_embeddings {}: ptk's YaRN has the "
         "original context {} and one factor (max_position_embeddings / original_max_position_embeddings)",
@@ -142,6 +142,9 @@ absl::Status ReadDeepseekRope(const HfConfigReader& r, GPTConfig* c) {
                         ? v["attention_factor"]
                         : (m != 0 && all != 0 ? cpu::YarnGetMscale(factor, m) / cpu::YarnGetMscale(factor, all)
                                               : cpu::YarnGetMscale(factor, 1));
+  if (factor <= 1 && hf != 1)  // ptk's concentration factor is 1 at a factor of 1 or below
+    return r.Bad(fmt::format("rope_scaling's attention_factor {} with factor {}: ptk's YaRN scales by 1 there", Num(hf),
+                             Num(factor)));
   c->mla_yarn = true;
   c->rotary_scaling_factor = factor;
   c->mscale_all_dim = all;

@@ -233,7 +233,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   const GPTConfig& c = ck.config;
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
-  // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can.
+  // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can, a
+  // multi-latent attention model (dense too) to DeepseekV3ForCausalLM.
   const bool llama = !c.gpt3() || hf_detail::MoeLine(c);
   if (hf_detail::MoeLine(c)) {
     PTK_RETURN_IF_ERROR(hf_detail::CheckMoeExportable(c, ck.file));

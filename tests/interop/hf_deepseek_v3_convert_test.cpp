@@ -415,6 +415,19 @@ TEST_F(HfDeepseekV3RoundTrip, ImportRefusesWhatPtkCannotComputeNamingConfigJsonA
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
     EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
   }
+  // An attention_factor at YaRN's factor 1, where ptk's concentration factor is 1 (plain RoPE's export, edited).
+  Saved(dir_ / "ck-rope", /*q_lora=*/true, /*yarn=*/false);
+  const std::string plain = dir_ / "hf-rope";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck-rope", plain)).ok());
+  ptk::testing::WriteFile(plain + "/config.json",
+                          Edited(ptk::testing::ReadFile(plain + "/config.json"), "\"rope_scaling\": null",
+                                 "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 1.0, "
+                                 "\"attention_factor\": 1.5}"));
+  auto f1 = ImportFromHf(Opts("hf", "ptk", plain, dir_ / "out-f1"));
+  ASSERT_FALSE(f1.ok());
+  EXPECT_NE(f1.status().message().find("config.json: rope_scaling's attention_factor 1.5 with factor 1.0"),
+            std::string::npos)
+      << f1.status();
   // A missing expert bias is a missing tensor, named.
   ptk::testing::WriteFile(hf + "/config.json",
                           Edited(config, "\"first_k_dense_replace\": 1", "\"first_k_dense_replace\": 0"));
