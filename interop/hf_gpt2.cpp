@@ -23,6 +23,7 @@
 #include "common/py_format.h"
 #include "common/status.h"
 #include "interop/hf_config.h"
+#include "interop/hf_deepseek_v3.h"
 #include "interop/hf_export_dir.h"
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
@@ -232,9 +233,10 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   const GPTConfig& c = ck.config;
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
-  // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can.
-  const bool llama = !c.gpt3() || c.moe();
-  if (c.moe()) {
+  // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can, a
+  // multi-latent attention model (dense too) to DeepseekV3ForCausalLM.
+  const bool llama = !c.gpt3() || hf_detail::MoeLine(c);
+  if (hf_detail::MoeLine(c)) {
     PTK_RETURN_IF_ERROR(hf_detail::CheckMoeExportable(c, ck.file));
   } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
@@ -257,11 +259,12 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(std::string merges_txt, ReadOrDefault(o.merge_file, Gpt2Tokenizer::DefaultMergesTxt()));
   const int64_t eod = tokenizer->eod();
 
-  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MoeTensorsOf(c)
-                                  : llama ? hf_detail::LlamaTensorsOf(c)
-                                          : HfTensorsOf(c);
-  if (c.moe()) {
+  std::vector<HfTensor> tensors = hf_detail::MoeLine(c) ? hf_detail::MoeTensorsOf(c)
+                                  : llama               ? hf_detail::LlamaTensorsOf(c)
+                                                        : HfTensorsOf(c);
+  if (hf_detail::MoeLine(c)) {
     hf_detail::MapMoeParams(layout, &params, &tensors, /*to_hf=*/true);
+    if (c.mla()) PTK_RETURN_IF_ERROR(hf_detail::MapExpertBiases(layout, &ck.state.buffers, &tensors, true));
   } else if (llama) {
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/true);
   } else {
@@ -281,7 +284,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
   HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
   if (llama) {
-    text.config = c.moe() ? hf_detail::MoeConfigJson(c, eod) : hf_detail::LlamaConfigJson(c, eod);
+    text.config = hf_detail::MoeLine(c) ? hf_detail::MoeConfigJson(c, eod) : hf_detail::LlamaConfigJson(c, eod);
     if (c.use_rope_scaling && c.max_position_embeddings <= 8192)
       s.notes.push_back(fmt::format(
           "--max-position-embeddings {} is not above Llama 3.1's original context (8192): transformers warns about "
@@ -290,9 +293,9 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
     if (c.hidden_dropout != 0)
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout),
-                                    c.moe()          ? hf_detail::MoeArchitecture(c)
-                                    : c.qk_layernorm ? "Qwen3ForCausalLM"
-                                                     : "LlamaForCausalLM"));
+                                    hf_detail::MoeLine(c) ? hf_detail::MoeArchitecture(c)
+                                    : c.qk_layernorm      ? "Qwen3ForCausalLM"
+                                                          : "LlamaForCausalLM"));
   }
   PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, max_shard_size, text));
   s.destination = dir;
@@ -419,14 +422,11 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   if (model_type == "mixtral") return hf_detail::ReadMixtralConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen3_moe") return hf_detail::ReadQwen3MoeConfig(r, make_vocab_size_divisible_by, notes);
   if (model_type == "qwen2_moe") return hf_detail::ReadQwen2MoeConfig(r, make_vocab_size_divisible_by, notes);
-  if (model_type == "deepseek_v3")  // multi-latent attention, e_score_correction_bias, MTP: no mapping yet
-    return r.Bad(
-        "model_type \"deepseek_v3\": ptk-convert does not read DeepSeek-V3 (multi-latent attention, "
-        "sigmoid routing with e_score_correction_bias) yet");
+  if (model_type == "deepseek_v3") return hf_detail::ReadDeepseekV3Config(r, make_vocab_size_divisible_by, notes);
   return r.Bad(fmt::format(
       "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\"), Qwen3 "
       "models (model_type \"qwen3\"), Mixtral models (model_type \"mixtral\"), Qwen3-MoE models (model_type "
-      "\"qwen3_moe\") and Qwen2-MoE models (model_type \"qwen2_moe\")",
+      "\"qwen3_moe\"), Qwen2-MoE models (model_type \"qwen2_moe\") and DeepSeek-V3 models (model_type \"deepseek_v3\")",
       model_type));
 }
 
@@ -459,8 +459,8 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
                                 c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
-                      : c.moe() ? hf_detail::MoeTrainFlags(c)
-                                : hf_detail::LlamaTrainFlags(c);
+                      : hf_detail::MoeLine(c) ? hf_detail::MoeTrainFlags(c)
+                                              : hf_detail::LlamaTrainFlags(c);
   if (c.squared_relu) flags += " --squared-relu";  // relu2
   // gelu: the exact GELU, Megatron's GELU MLP without its fused kernel (--disable-bias-linear selects it too)
   if (c.gelu_exact && c.add_bias_linear) flags += " --no-bias-gelu-fusion";
@@ -510,13 +510,15 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const GPTConfig& c = s.config;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   const bool llama = !c.gpt3();
-  std::vector<HfTensor> tensors = c.moe() ? hf_detail::MoeTensorsOf(c)
-                                  : llama ? hf_detail::LlamaTensorsOf(c)
-                                          : HfTensorsOf(c);
+  std::vector<HfTensor> tensors = hf_detail::MoeLine(c) ? hf_detail::MoeTensorsOf(c)
+                                  : llama               ? hf_detail::LlamaTensorsOf(c)
+                                                        : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
-  if (c.moe()) {  // MixtralForCausalLM, Qwen3MoeForCausalLM
+  ModelBuffers buffers;         // DeepSeek-V3's e_score_correction_bias: the routers' expert biases
+  if (hf_detail::MoeLine(c)) {  // MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV3ForCausalLM
     PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors, hf_detail::MoeArchitecture(c)));
     hf_detail::MapMoeParams(layout, &params, &tensors, /*to_hf=*/false);
+    if (c.mla()) PTK_RETURN_IF_ERROR(hf_detail::MapExpertBiases(layout, &buffers, &tensors, false));
   } else if (llama) {
     PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
@@ -528,7 +530,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   const std::vector<float> zeros(params.size(), 0.0f);
   TrainState state;
   state.seed = 1234;
-  state.settings = c.moe() ? hf_detail::MoeSettings(c) : llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
+  state.buffers = std::move(buffers);
+  state.settings = hf_detail::MoeLine(c) ? hf_detail::MoeSettings(c)
+                   : llama               ? hf_detail::LlamaSettings(c)
+                                         : ImportedSettings(c);
   // The divisor beside the padded vocabulary, as a run records it (Megatron's args hold
   // make_vocab_size_divisible_by): --use-checkpoint-args pads the same from it.
   const auto padded_at = std::find_if(state.settings.begin(), state.settings.end(), [](const auto& kv) {

@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include "common/status.h"
+#include "interop/hf_deepseek_v3.h"
 #include "interop/hf_llama.h"
 #include "interop/hf_mixtral.h"
 #include "interop/hf_qwen2_moe.h"
@@ -226,16 +227,19 @@ absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t ma
   return c;
 }
 
-// Qwen3-MoE with --qk-layernorm, Qwen2-MoE with shared experts, Mixtral otherwise.
-enum class MoeClass { kMixtral, kQwen2Moe, kQwen3Moe };
+// DeepSeek-V3 with multi-latent attention, Qwen3-MoE with --qk-layernorm, Qwen2-MoE with shared experts, Mixtral
+// otherwise.
+enum class MoeClass { kMixtral, kQwen2Moe, kQwen3Moe, kDeepseekV3 };
 MoeClass ClassOf(const GPTConfig& c) {
-  return c.qk_layernorm                              ? MoeClass::kQwen3Moe
+  return c.mla()                                     ? MoeClass::kDeepseekV3
+         : c.qk_layernorm                            ? MoeClass::kQwen3Moe
          : c.moe_shared_expert_intermediate_size > 0 ? MoeClass::kQwen2Moe
                                                      : MoeClass::kMixtral;
 }
 
 const char* MoeArchitecture(const GPTConfig& c) {
   switch (ClassOf(c)) {
+    case MoeClass::kDeepseekV3: return "DeepseekV3ForCausalLM";
     case MoeClass::kQwen3Moe: return "Qwen3MoeForCausalLM";
     case MoeClass::kQwen2Moe: return "Qwen2MoeForCausalLM";
     default: return "MixtralForCausalLM";
@@ -244,6 +248,7 @@ const char* MoeArchitecture(const GPTConfig& c) {
 
 absl::Status CheckMoeExportable(const GPTConfig& c, const std::string& file) {
   switch (ClassOf(c)) {
+    case MoeClass::kDeepseekV3: return CheckDeepseekV3Exportable(c, file);
     case MoeClass::kQwen3Moe: return CheckQwen3MoeExportable(c, file);
     case MoeClass::kQwen2Moe: return CheckQwen2MoeExportable(c, file);
     default: return CheckMixtralExportable(c, file);
@@ -252,6 +257,7 @@ absl::Status CheckMoeExportable(const GPTConfig& c, const std::string& file) {
 
 std::string MoeConfigJson(const GPTConfig& c, int64_t eod) {
   switch (ClassOf(c)) {
+    case MoeClass::kDeepseekV3: return DeepseekV3ConfigJson(c, eod);
     case MoeClass::kQwen3Moe: return Qwen3MoeConfigJson(c, eod);
     case MoeClass::kQwen2Moe: return Qwen2MoeConfigJson(c, eod);
     default: return MixtralConfigJson(c, eod);
@@ -260,6 +266,7 @@ std::string MoeConfigJson(const GPTConfig& c, int64_t eod) {
 
 std::vector<HfTensor> MoeTensorsOf(const GPTConfig& c) {
   switch (ClassOf(c)) {
+    case MoeClass::kDeepseekV3: return DeepseekV3TensorsOf(c);
     case MoeClass::kQwen3Moe: return MoeTensorsOf(c, kQwen3Moe);
     case MoeClass::kQwen2Moe: return Qwen2MoeTensorsOf(c);
     default: return MixtralTensorsOf(c);
@@ -268,6 +275,7 @@ std::vector<HfTensor> MoeTensorsOf(const GPTConfig& c) {
 
 void MapMoeParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
   switch (ClassOf(layout.config)) {
+    case MoeClass::kDeepseekV3: return MapDeepseekV3Params(layout, params, hf, to_hf);
     case MoeClass::kQwen3Moe:
       MapLlamaParams(layout, params, hf, to_hf);  // sizes every tensor (to HF); the attention and dense layers
       return MapMoeExperts(layout, params, hf, to_hf, kQwen3Moe);
@@ -278,6 +286,7 @@ void MapMoeParams(const ParamLayout& layout, std::vector<float>* params, std::ve
 
 std::vector<std::pair<std::string, std::string>> MoeSettings(const GPTConfig& c) {
   if (ClassOf(c) == MoeClass::kMixtral) return MixtralSettings(c);
+  if (ClassOf(c) == MoeClass::kDeepseekV3) return DeepseekV3Settings(c);
   std::vector<std::pair<std::string, std::string>> s = LlamaSettings(c);
   s.insert(s.end(), {{"--num-experts", Int(c.num_experts)},
                      {"--moe-router-topk", Int(c.moe_router_topk)},
@@ -294,6 +303,7 @@ std::vector<std::pair<std::string, std::string>> MoeSettings(const GPTConfig& c)
 
 std::string MoeTrainFlags(const GPTConfig& c) {
   if (ClassOf(c) == MoeClass::kMixtral) return MixtralTrainFlags(c);
+  if (ClassOf(c) == MoeClass::kDeepseekV3) return DeepseekV3TrainFlags(c);
   std::string flags =
       LlamaTrainFlags(c) + fmt::format(" --num-experts {} --moe-router-topk {} --moe-ffn-hidden-size {}", c.num_experts,
                                        c.moe_router_topk, c.moe_ffn());

@@ -41,8 +41,9 @@ absl::StatusOr<GPTConfig> ReadQwen3MoeConfig(const HfConfigReader& r, int64_t ma
 // norm_topk_prob (false: --moe-router-pre-softmax), router_aux_loss_coef (noted), refused naming the key.
 absl::Status ReadQwenMoeRouting(const HfConfigReader& r, GPTConfig* c, std::vector<std::string>* notes);
 
-// A MoE model of the Llama line: Qwen3MoeForCausalLM with --qk-layernorm, else Qwen2MoeForCausalLM with shared
-// experts, else MixtralForCausalLM.
+// A MoE model of the Llama line: DeepseekV3ForCausalLM with multi-latent attention (a dense one too: MoeLine),
+// else Qwen3MoeForCausalLM with --qk-layernorm, else Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM.
+inline bool MoeLine(const GPTConfig& c) { return c.moe() || c.mla(); }
 const char* MoeArchitecture(const GPTConfig& c);
 absl::Status CheckMoeExportable(const GPTConfig& c, const std::string& file);
 std::string MoeConfigJson(const GPTConfig& c, int64_t eod);

@@ -60,6 +60,21 @@ bool ReadMoeHeader(simdjson::dom::element m, GPTConfig* c) {
   return static_cast<int64_t>(c->moe_layer_pattern.size()) == c->num_layers;
 }
 
+// Multi-latent attention's architecture and rotary embedding (trainer/checkpoint_settings.cpp's ModelJson):
+// false when a field is missing or rope_type is neither rope nor yarn.
+bool ReadMlaHeader(simdjson::dom::element m, GPTConfig* c) {
+  std::string_view rope;
+  if (m["q_lora_rank"].get(c->q_lora_rank) || m["kv_lora_rank"].get(c->kv_lora_rank) ||
+      m["qk_head_dim"].get(c->qk_head_dim) || m["qk_pos_emb_head_dim"].get(c->qk_pos_emb_head_dim) ||
+      m["v_head_dim"].get(c->v_head_dim) || m["rope_type"].get(rope) || m["mla_rotary_base"].get(c->rotary_base) ||
+      m["rotary_scaling_factor"].get(c->rotary_scaling_factor) || m["mscale"].get(c->mscale) ||
+      m["mscale_all_dim"].get(c->mscale_all_dim) || (rope != "rope" && rope != "yarn"))
+    return false;
+  c->multi_latent_attention = true;
+  c->mla_yarn = rope == "yarn";
+  return true;
+}
+
 absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   // The trainer's reader: a file cut short says so, with its size and the one it needs, as ptk-train's load
   // does (10 bytes of a checkpoint were "not a ptk checkpoint (bad magic)", 100 bytes "the header length runs
@@ -79,15 +94,13 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
-  if (bool mla = false; !m["multi_latent_attention"].get(mla) && mla)  // ptk-train's CPU MLA layers
-    return absl::UnimplementedError(
-        fmt::format("{}: a multi-latent attention model (--multi-latent-attention): ptk-convert does not export MLA "
-                    "checkpoints (neither --saver hf nor --saver megatron)",
-                    file));
+  if (bool mla = false; !m["multi_latent_attention"].get(mla) && mla && !ReadMlaHeader(m, &c))
+    return bad("the header's description of multi-latent attention misses a field or has a bad one");
   if (int64_t mtp = 0; !m["mtp_num_layers"].get(mtp) && mtp > 0)  // ptk-train's CPU multi-token prediction
     return absl::UnimplementedError(
         fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}): ptk-convert does not export MTP "
-                    "checkpoints (neither --saver hf nor --saver megatron)",
+                    "checkpoints (neither --saver hf, whose DeepseekV3ForCausalLM has no MTP layers, nor --saver "
+                    "megatron)",
                     file, mtp));
   std::string_view window, softmax;  // ptk-train's CPU sliding window attention and softmax types
   const bool windowed = !m["window_size"].get(window), sink = !m["softmax_type"].get(softmax);
@@ -202,10 +215,13 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
     PTK_RETURN_IF_ERROR(
         LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &out.m1, &out.m2, &out.state, &reading));
   }
-  if (!out.state.buffers.empty())  // a router's expert_bias: no saver writes it yet, none drops it unsaid
-    return absl::UnimplementedError(fmt::format(
-        "{}: the checkpoint holds {} (--moe-router-enable-expert-bias); ptk-convert carries no expert biases yet",
-        out.file, out.state.buffers.front().first));
+  // A router's expert_bias: DeepSeek-V3's export (MLA models) writes it as e_score_correction_bias; no other saver
+  // has a place for it, none drops it unsaid.
+  if (!out.state.buffers.empty() && !c.mla())
+    return absl::UnimplementedError(
+        fmt::format("{}: the checkpoint holds {} (--moe-router-enable-expert-bias); ptk-convert carries expert biases "
+                    "only into DeepseekV3ForCausalLM (with --multi-latent-attention)",
+                    out.file, out.state.buffers.front().first));
   if (!with_optimizer) {
     std::vector<float>().swap(out.m1);
     std::vector<float>().swap(out.m2);

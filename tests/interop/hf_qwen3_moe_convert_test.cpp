@@ -295,8 +295,8 @@ TEST_F(HfQwen3MoeRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey
       {"\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 2.0}",
        "rope_scaling {\"rope_type\":\"yarn\",\"factor\":2.0}"},
       {"\"router_aux_loss_coef\": 0.01", "\"router_aux_loss_coef\": -1", "router_aux_loss_coef"},
-      {"\"model_type\": \"qwen3_moe\"", "\"model_type\": \"deepseek_v3\"",
-       "model_type \"deepseek_v3\": ptk-convert does not read DeepSeek-V3 (multi-latent attention"},
+      {"\"model_type\": \"qwen3_moe\"", "\"model_type\": \"deepseek_v2\"",
+       "model_type \"deepseek_v2\": ptk reads GPT-2 models"},
   };
   int n = 0;
   for (const Case& k : bad) {

@@ -21,8 +21,10 @@ absl::Status Run(int argc, char** argv) {
   PTK_ASSIGN_OR_RETURN(ptk::PtkCheckpoint ck, ptk::LoadPtkCheckpoint(argv[1]));
   ptk::GPTConfig c = ck.config;
   c.hidden_dropout = c.attention_dropout = 0;
+  c.moe_router_enable_expert_bias = !ck.state.buffers.empty();  // the routers' expert biases choose experts too
   PTK_ASSIGN_OR_RETURN(auto model, ptk::CreateModel(c, ptk::BackendOptions{}));
   PTK_RETURN_IF_ERROR(model->WriteParams(ck.params));
+  if (!ck.state.buffers.empty()) PTK_RETURN_IF_ERROR(model->WriteBuffers(ck.state.buffers));
   if (std::string(argv[2]) == "--generate") {
     ptk::GenerateOptions g;
     g.new_tokens = std::stoll(argv[3]);
