@@ -226,6 +226,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
   PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress));
+  if (!ck.state.buffers.empty())  // a router's expert_bias: no HF class here routes by one, none drops it unsaid
+    return absl::UnimplementedError(fmt::format(
+        "{}: the checkpoint holds {} (--moe-router-enable-expert-bias): Mixtral, Qwen2-MoE and "
+        "Qwen3-MoE route without an expert bias; ptk-convert carries it to Megatron only (--saver megatron)",
+        ck.file, ck.state.buffers.front().first));
   s.iteration = ck.iteration;
   s.source = ck.file;
   s.notes = ck.notes;
