@@ -235,6 +235,9 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   s.source = ck.file;
   s.notes = ck.notes;
   const GPTConfig& c = ck.config;
+  if (c.moe() && c.moe_expert_capacity_factor >= 0)  // a training setting to HF: its MoE classes never drop
+    s.notes.push_back(fmt::format("trained with --moe-expert-capacity-factor {}: the Hugging Face model is dropless",
+                                  c.moe_expert_capacity_factor));
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
   // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can.

@@ -23,6 +23,7 @@ absl::Status Run(int argc, char** argv) {
   c.hidden_dropout = c.attention_dropout = 0;
   PTK_ASSIGN_OR_RETURN(auto model, ptk::CreateModel(c, ptk::BackendOptions{}));
   PTK_RETURN_IF_ERROR(model->WriteParams(ck.params));
+  PTK_RETURN_IF_ERROR(model->WriteBuffers(ck.state.buffers));  // a router's expert_bias routes as trained
   if (std::string(argv[2]) == "--generate") {
     ptk::GenerateOptions g;
     g.new_tokens = std::stoll(argv[3]);

@@ -12,6 +12,8 @@ strict=True (every name and shape megatron-core's own; the routers' expert_bias 
 load_state_dict (the groups and ids: every parameter's exp_avg and exp_avg_sq of its shape, Adam's step the run's);
 then its forward's logits on 3 sequences equal ptk's (logits_tool on the ptk checkpoint) within 1e-4 (fp32 both;
 the summation orders differ), and ptk-convert --loader megatron reads the export back to the same weights.
+Token dropping's "position" policy takes a stable top-k (gen_moe_golden.stable_token_dropping: torch's CPU top-k
+keeps an arbitrary set among the routing map's equal values, not the earliest tokens Megatron documents).
 CPU only, one gloo rank, CUDA calls pointed at the CPU (make_torch_dist_distopt_fixture.cpu_shims); run by hand
 (CI's Debian PyTorch 1.13 cannot run megatron-core):
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/check_moe_export_with_megatron_core.py \\
@@ -24,6 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
+import gen_moe_golden  # noqa: E402  (stable_token_dropping: the "position" policy's ties as Megatron documents)
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2]
 TOL = 1e-4
@@ -142,10 +145,18 @@ def check_case(torch, numpy, name, flags, tmp):
         inner.state[p]["exp_avg"].shape == p.shape and inner.state[p]["exp_avg_sq"].shape == p.shape and
         int(inner.state[p]["step"]) == 4 for p in params)
     check(ok, "{}: its optimizer loads the moments, each of its parameter's shape, step 4".format(name))
+    if sd["args"].moe_shared_expert_intermediate_size:  # megatron-core's groups: shared experts decayed (2-D)
+        decayed = {id(p) for g in inner.param_groups if g.get("wd_mult", 1.0) > 0 for p in g["params"]}
+        shared = [(n, p) for n, p in gpt.named_parameters() if "shared_experts" in n]
+        check(shared and all(id(p) in decayed for _, p in shared),
+              "{}: the shared experts' {} parameters ({}) in the decayed group".format(
+                  name, len(shared), ", ".join(n.split("shared_experts.")[1] for n, _ in shared[:3])))
     nonzero = sum(float(inner.state[p]["exp_avg_sq"].abs().sum()) > 0 for p in params)
     check(nonzero == len(params), "{}: {} of {} parameters have moments".format(name, nonzero, len(params)))
     gpt.eval()
     worst = 0.0
+    for k in gen_moe_golden.DROPS:
+        gen_moe_golden.DROPS[k] = 0
     for seq, ours in zip(SEQS, ptk_logits(numpy, ck, tmp, 50257)):
         x = torch.tensor([seq])
         with torch.no_grad():
@@ -153,6 +164,20 @@ def check_case(torch, numpy, name, flags, tmp):
         worst = max(worst, float(numpy.abs(theirs - ours).max()))
     check(worst <= TOL, "{}: megatron-core's logits and ptk's differ by at most {:.3g} (tolerance {})".format(
         name, worst, TOL))
+    if sd["args"].moe_expert_capacity_factor is not None:  # the forward really dropped slots
+        d = gen_moe_golden.DROPS
+        check(d["dropped"] > 0, "{}: megatron-core's forward dropped {} of {} routed slots".format(
+            name, d["dropped"], d["routed"]))
+    if sd["args"].moe_router_enable_expert_bias:  # the biases route: zeroed, megatron-core's logits move
+        x = torch.tensor([SEQS[1]])
+        with torch.no_grad():
+            before = gpt(x, torch.arange(len(SEQS[1])).unsqueeze(0), None)
+            for n, b in gpt.named_buffers():
+                if n.endswith("router.expert_bias"):
+                    b.zero_()
+            after = gpt(x, torch.arange(len(SEQS[1])).unsqueeze(0), None)
+        moved = float((before - after).abs().max())
+        check(moved > 100 * TOL, "{}: the expert biases zeroed move the logits by {:.3g}".format(name, moved))
     run([os.path.join(BIN, "ptk-convert"), "--loader", "megatron", "--saver", "ptk", "--load-dir", meg, "--save-dir",
          back])
     a, b = ptk_logits(numpy, ck, tmp, 50257), ptk_logits(numpy, back, tmp, 50257)
@@ -164,6 +189,7 @@ def main():
     import torch
     import torch.distributed as dist
     cpu_shims(torch)
+    gen_moe_golden.stable_token_dropping(torch)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         import megatron.core.tensor_parallel.random as mrandom
