@@ -227,10 +227,21 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
   PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress));
+  // A router's expert_bias: DeepseekV3ForCausalLM (MLA models) routes by it (e_score_correction_bias); no other HF
+  // class here does, and none drops it unsaid.
+  if (!ck.state.buffers.empty() && !ck.config.mla())
+    return absl::UnimplementedError(fmt::format(
+        "{}: the checkpoint holds {} (--moe-router-enable-expert-bias): Mixtral, Qwen2-MoE and "
+        "Qwen3-MoE route without an expert bias; ptk-convert carries it to Megatron (--saver megatron) and, with "
+        "--multi-latent-attention, to DeepseekV3ForCausalLM",
+        ck.file, ck.state.buffers.front().first));
   s.iteration = ck.iteration;
   s.source = ck.file;
   s.notes = ck.notes;
   const GPTConfig& c = ck.config;
+  if (c.moe() && c.moe_expert_capacity_factor >= 0)  // a training setting to HF: its MoE classes never drop
+    s.notes.push_back(fmt::format("trained with --moe-expert-capacity-factor {}: the Hugging Face model is dropless",
+                                  c.moe_expert_capacity_factor));
   // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
   // --qk-layernorm to Qwen3ForCausalLM).
   // A mixture of experts goes to MixtralForCausalLM (with --qk-layernorm Qwen3MoeForCausalLM) where it can, a

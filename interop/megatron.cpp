@@ -140,9 +140,11 @@ struct Import {
   MegatronModel model;
   std::optional<ParamLayout> layout;
   std::vector<MegParam> params;
-  int64_t vp = 1;          // model chunks per rank (virtual pipeline stages): params' stage is v * pp + p
-  bool te = false;         // Transformer Engine's fused LayerNorm names, or the local ones
-  bool tied_copy = false;  // the last stage's copy of the tied embedding
+  std::vector<MegBuffer> mbuffers;  // the routers' expert biases (MegBuffers)
+  ModelBuffers buffers;             // read by ReadBuffers
+  int64_t vp = 1;                   // model chunks per rank (virtual pipeline stages): params' stage is v * pp + p
+  bool te = false;                  // Transformer Engine's fused LayerNorm names, or the local ones
+  bool tied_copy = false;           // the last stage's copy of the tied embedding
   // Gathered: weights (fp32 masters where the optimizer has them) and moments.
   std::vector<float> weights, m1, m2;
   bool have_moments = true, used_masters = false, used_distrib = false, low_precision = false;
@@ -221,6 +223,19 @@ struct Import {
     return absl::OkStatus();
   }
 
+  // The routers' expert biases (fp32, alike on every tensor rank: tensor rank 0's taken), under ptk's names.
+  absl::Status ReadBuffers() {
+    for (const MegBuffer& b : mbuffers) {
+      RankFile& rf = sh.files[0][static_cast<size_t>(b.stage % sh.pp)];
+      const PyValue* t = rf.models[static_cast<size_t>(b.stage / sh.pp)]->Get(b.local_name);
+      if (!t || t->kind != PyValue::Kind::kTensor || t->tensor.shape != std::vector<int64_t>{b.size})
+        return Bad(rf.reader->path(), fmt::format("{}: not a tensor of the {} experts", b.local_name, b.size));
+      PTK_ASSIGN_OR_RETURN(std::vector<float> v, rf.reader->ReadFloat(t->tensor, b.local_name));
+      buffers.emplace_back(b.name, std::move(v));
+    }
+    return absl::OkStatus();
+  }
+
   // Every rank: the names it must hold, nothing else (extra states aside), and the optimizer's indices.
   absl::Status CheckRanks() {
     for (int64_t t = 0; t < sh.tp; ++t)
@@ -241,6 +256,8 @@ struct Import {
             order.emplace_back(Key(v, "output_layer.weight"), true);
             expected.insert("output_layer.weight");
           }
+          for (const MegBuffer& b : mbuffers)
+            if (b.stage == vs) expected.insert(b.local_name);
           const PyValue* model = rf.models[static_cast<size_t>(v)];
           const std::string where = vp > 1 ? fmt::format("model{} ", v) : "";
           for (const auto& [k, val] : model->dict) {
@@ -500,6 +517,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   }
   PTK_ASSIGN_OR_RETURN(im.layout, ParamLayout::Create(s.config));
   PTK_ASSIGN_OR_RETURN(im.params, MegParams(*im.layout, sh.pp * im.vp));
+  im.mbuffers = MegBuffers(s.config, im.params);
 
   // Every file holds the same chunks; the layer spec: Transformer Engine's fused LayerNorm names or
   // the local ones.
@@ -534,9 +552,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
     PTK_RETURN_IF_ERROR(im.Gather());
     im.progress = nullptr;
   }
+  PTK_RETURN_IF_ERROR(im.ReadBuffers());
   im.Notes();
   PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible,
-                                   im.have_moments, im.adam_step, im.weights, im.m1, im.m2, &s));
+                                   im.have_moments, im.adam_step, im.weights, im.m1, im.m2, &s, std::move(im.buffers)));
   s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards{} ({} layer names){}", sh.tp, sh.pp,
                                 im.vp > 1 ? fmt::format(" of {} model chunks each (interleaved)", im.vp) : "",
                                 im.te ? "Transformer Engine" : "local",

@@ -66,6 +66,12 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
         m.split = em[1] == "linear_fc1" ? 0 : 1;
         if (c.swiglu && m.split == 0) m.chunks = 2;
       }
+      // SharedExpertMLP: an MLP of the tensor group, split as the dense one; its gate_weight whole on every rank.
+      if (rest == "mlp.shared_experts.linear_fc1.weight") {
+        m.split = 0;
+        if (c.swiglu) m.chunks = 2;
+      }
+      if (rest == "mlp.shared_experts.linear_fc2.weight") m.split = 1;
       if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
           rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
         m.split = 0;
@@ -87,6 +93,19 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
     }
     out.push_back(std::move(m));
   }
+  return out;
+}
+
+std::vector<MegBuffer> MegBuffers(const GPTConfig& c, const std::vector<MegParam>& params) {
+  std::vector<MegBuffer> out;
+  if (!c.moe() || !c.moe_router_enable_expert_bias) return out;
+  constexpr std::string_view kRouter = "mlp.router.weight";
+  auto bias = [&](const std::string& weight) {
+    return weight.substr(0, weight.size() - std::string_view("weight").size()) + "expert_bias";
+  };
+  for (const MegParam& m : params)
+    if (m.info->name.ends_with(kRouter))  // the router's weight names the buffer beside it (ExpertBiasName)
+      out.push_back(MegBuffer{bias(m.info->name), bias(m.local_name), m.stage, c.num_experts});
   return out;
 }
 
@@ -369,10 +388,12 @@ std::string LlamaLineFlags(const GPTConfig& c) {
 absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
                           bool optimizer_state, int64_t adam_step, const std::vector<float>& weights,
-                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s) {
+                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s,
+                          ModelBuffers buffers) {
   const GPTConfig& c = s->config;
   // The training state.
   TrainState state;
+  state.buffers = std::move(buffers);  // the routers' expert biases, as ptk-train's checkpoint holds them
   if (s->release) {
     s->iteration = adam_step = 0;
     s->notes.push_back(

@@ -39,6 +39,16 @@ struct MegParam {
 
 // The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
 absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp);
+// A persistent buffer of megatron-core's state dict that is no parameter: a TopKRouter's expert_bias
+// (--moe-router-enable-expert-bias; its local_tokens_per_expert is not persistent), fp32, whole on every tensor
+// rank. `name` is ptk's (GPTModel::ReadBuffers), `local_name` the stage's (the same under both layer specs).
+struct MegBuffer {
+  std::string name, local_name;
+  int64_t stage = 0;
+  int64_t size = 0;
+};
+// The expert biases of the model MegParams described as `params` (none without the expert bias).
+std::vector<MegBuffer> MegBuffers(const GPTConfig& c, const std::vector<MegParam>& params);
 // The parameters of pipeline stage `stage` in megatron-core's named_parameters order (what its
 // optimizer's parameter groups and its grad buffers follow, and its state_dict lists): ptk's order
 // but for each layer's linear_proj, which Attention builds before SelfAttention builds linear_qkv,
@@ -102,13 +112,15 @@ inline constexpr char kNoOptimizerLoad[] =
 absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
                           bool optimizer_state, int64_t adam_step, const std::vector<float>& weights,
-                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s);
+                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s,
+                          ModelBuffers buffers = {});
 
 // Megatron's mixture of experts (interop/megatron_moe.cpp). SetMoeArgs: the args that mark `c`'s MoE layers
 // (num_experts, moe_*; one expert rank, SequentialMLP, the experts split over the `tp` tensor ranks), or
 // num_experts None for a dense model, into the args Namespace's dict `a`. ReadMoeArgs: the MoE layers args
-// describe into `c` (nothing for a dense model); what ptk's MoE layers do not compute (grouped GEMM,
-// expert parallelism, shared experts, capacity, z-loss, ...) refused naming `source` and each flag.
+// describe into `c` (nothing for a dense model; shared experts, the z-loss, scaling, group-limited routing, the
+// expert bias, token dropping and the load-balancing types included); what ptk's MoE layers do not compute
+// (grouped GEMM, expert parallelism, input jitter, ...) refused naming `source` and each flag.
 void SetMoeArgs(const GPTConfig& c, int64_t tp, PyValue* a);
 absl::Status ReadMoeArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c);
 // An imported MoE model's settings (as ptk-train records them) and ptk-train's flags for it ("" when dense).

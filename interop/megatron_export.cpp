@@ -82,6 +82,13 @@ struct Export {
   const std::vector<float>& m1;
   const std::vector<float>& m2;
   std::vector<MegParam> mparams;
+  std::vector<MegBuffer> mbuffers;  // checked against state.buffers (CheckExportBuffers)
+  const std::vector<float>& BufferOf(const MegBuffer& b) const {
+    for (const auto& [name, values] : state.buffers)
+      if (name == b.name) return values;
+    static const std::vector<float> kNone;
+    return kNone;
+  }
   int64_t tp = 1, pp = 1, vm = 0;  // vm: the vocabulary padded for tp ranks
   int64_t vp = 1;                  // model chunks per rank: mparams' stage is v * pp + p
   bool te = false, tied_copy = false, with_moments = false, mixed = false;
@@ -194,6 +201,10 @@ struct Export {
       }
     }
     if (p == pp - 1 && !c.untie_embeddings_and_output_weights && pp * vp == 1) extra("output_layer");
+    for (const MegBuffer& b : mbuffers)  // the routers' expert biases, fp32 on every tensor rank
+      if (b.stage % pp == p)
+        torchfmt::DictSet(models[static_cast<size_t>(b.stage / pp)].get(), b.local_name,
+                          tensor(BufferOf(b), {b.size}, DType::kFloat32));
     std::sort(by_id.begin(), by_id.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
     PyRef adam_state = torchfmt::MakeDict();
     for (auto& [id, entry] : by_id) torchfmt::DictSet(adam_state.get(), torchfmt::MakeInt(id), entry);
@@ -417,6 +428,28 @@ absl::Status CheckExportableGroups(const TrainState& state, const GPTConfig& c, 
   return absl::OkStatus();
 }
 
+// The checkpoint's buffers are the expert biases megatron-core's routers hold, each of its size: none more, none
+// missing (a checkpoint of --moe-router-enable-expert-bias holds one per MoE layer).
+absl::Status CheckExportBuffers(const std::vector<MegBuffer>& want, const TrainState& state, const std::string& file) {
+  for (const auto& [name, values] : state.buffers) {
+    auto it = std::find_if(want.begin(), want.end(), [&](const MegBuffer& b) { return b.name == name; });
+    if (it == want.end())
+      return absl::FailedPreconditionError(fmt::format(
+          "{}: holds buffer {}, which the model it describes has not (megatron-core's routers hold an expert_bias "
+          "with --moe-router-enable-expert-bias only)",
+          file, name));
+    if (static_cast<int64_t>(values.size()) != it->size)
+      return absl::DataLossError(
+          fmt::format("{}: buffer {} has {} values for {} experts", file, name, values.size(), it->size));
+  }
+  for (const MegBuffer& b : want)
+    if (std::none_of(state.buffers.begin(), state.buffers.end(), [&](const auto& kv) { return kv.first == b.name; }))
+      return absl::DataLossError(fmt::format(
+          "{}: a model of --moe-router-enable-expert-bias without its buffer {}: not ptk-train's checkpoint", file,
+          b.name));
+  return absl::OkStatus();
+}
+
 // The target layout against the checkpoint's model `c` (read from `file`): the vocabulary's padding, the
 // tensor-parallel split, the distributed optimizer's flags, the interleaved schedule (Megatron's checks, arguments.py)
 // and the pipeline split. The model chunks per pipeline rank (1 without the interleaved schedule).
@@ -508,11 +541,6 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         "MoE checkpoints yet (the plain optimizer's state is: leave the flag out, and resume Megatron without "
         "--use-distributed-optimizer)",
         ck.file, c.num_experts));
-  if (c.moe_shared_expert_intermediate_size > 0)  // their TE names, extra state and tensor splits: not written yet
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: a mixture-of-experts model with shared experts (--moe-shared-expert-intermediate-size {}): ptk-convert "
-        "does not write Megatron checkpoints of shared experts yet",
-        ck.file, c.moe_shared_expert_intermediate_size));
   s.notes = ck.notes;
   s.source = ck.file;
   s.iteration = ck.iteration;
@@ -528,6 +556,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.vp = vp;
   ex.vm = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by * tp);
   PTK_ASSIGN_OR_RETURN(ex.mparams, MegParams(layout, pp * vp));
+  ex.mbuffers = MegBuffers(c, ex.mparams);
+  PTK_RETURN_IF_ERROR(CheckExportBuffers(ex.mbuffers, state, ck.file));
   ex.te = o.saver_transformer_impl == "transformer_engine";
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;

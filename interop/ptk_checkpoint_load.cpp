@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -173,6 +174,33 @@ double SettingOr(const CheckpointHeader& h, const std::string& flag, double fall
   return fallback;
 }
 
+// The mixture of experts' training settings beside the aux loss's (trainer/run_settings.cpp records each, empty
+// where off): the z-loss, seq_aux_loss's and global_aux_loss's coefficients, the expert bias and its rate, the
+// capacity and its drop policy. A setting not recorded (an older checkpoint, or off) leaves it off.
+void ReadMoeTrainingSettings(const CheckpointHeader& h, GPTConfig* c) {
+  auto num = [&](const char* flag) -> std::optional<double> {
+    auto it = h.settings.find(flag);
+    if (it == h.settings.end() || it->second.empty()) return std::nullopt;
+    char* end = nullptr;
+    const double v = std::strtod(it->second.c_str(), &end);
+    if (end == it->second.c_str() || *end != '\0') return std::nullopt;
+    return v;
+  };
+  auto on = [&](const char* flag) {
+    auto it = h.settings.find(flag);
+    return it != h.settings.end() && it->second == "on";
+  };
+  c->moe_z_loss_coeff = num("--moe-z-loss-coeff").value_or(0.0);
+  c->moe_seq_aux_loss_coeff = num("--moe-router-load-balancing-type seq_aux_loss").value_or(0.0);
+  c->moe_global_aux_loss_coeff = num("--moe-router-load-balancing-type global_aux_loss").value_or(0.0);
+  c->moe_router_enable_expert_bias = on("--moe-router-enable-expert-bias");
+  c->moe_router_bias_update_rate = num("--moe-router-bias-update-rate").value_or(1e-3);
+  c->moe_expert_capacity_factor = num("--moe-expert-capacity-factor").value_or(-1.0);
+  auto policy = h.settings.find("--moe-token-drop-policy");
+  c->moe_token_drop_position =
+      c->moe_expert_capacity_factor >= 0 && policy != h.settings.end() && policy->second == "position";
+}
+
 }  // namespace
 
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size, bool progress,
@@ -205,7 +233,10 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.hidden_dropout = SettingOr(header, "--hidden-dropout", 0.1, &out.notes);
   c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
-  if (c.moe()) c.moe_aux_loss_coeff = SettingOr(header, "--moe-aux-loss-coeff", 0.0, &out.notes);
+  if (c.moe()) {
+    c.moe_aux_loss_coeff = SettingOr(header, "--moe-aux-loss-coeff", 0.0, &out.notes);
+    ReadMoeTrainingSettings(header, &c);
+  }
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   // The weights and AdamW's moments, checksummed whole: minutes for a large model, counted (files and bytes read).
   if (auto size = FileSize(out.file); progress && size.ok() && *size >= kConvertLongStepBytes)
@@ -215,13 +246,6 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
     PTK_RETURN_IF_ERROR(
         LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &out.m1, &out.m2, &out.state, &reading));
   }
-  // A router's expert_bias: DeepSeek-V3's export (MLA models) writes it as e_score_correction_bias; no other saver
-  // has a place for it, none drops it unsaid.
-  if (!out.state.buffers.empty() && !c.mla())
-    return absl::UnimplementedError(
-        fmt::format("{}: the checkpoint holds {} (--moe-router-enable-expert-bias); ptk-convert carries expert biases "
-                    "only into DeepseekV3ForCausalLM (with --multi-latent-attention)",
-                    out.file, out.state.buffers.front().first));
   if (!with_optimizer) {
     std::vector<float>().swap(out.m1);
     std::vector<float>().swap(out.m2);

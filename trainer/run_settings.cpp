@@ -314,6 +314,8 @@ Settings DataAndRunSettings(const TrainOptions& o) {
 
 }  // namespace
 
+Settings MoeRunSettings(const GPTConfig& m) { return MoeSettingsOf(m); }
+
 // What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
 // each setting under its Megatron flag name, resolved (the global batch size as used).
 Settings RunSettings(const TrainOptions& o, int64_t gbs) {

@@ -21,6 +21,9 @@ using Settings = std::vector<std::pair<std::string, std::string>>;
 // The settings of a run of `options` with global batch size `gbs` (as used), in a fixed order.
 Settings RunSettings(const TrainOptions& options, int64_t gbs);
 
+// A mixture-of-experts model's settings among them (what an imported checkpoint records of its experts).
+Settings MoeRunSettings(const GPTConfig& m);
+
 // The settings every rank must share (those CheckRanksAgree compares: the data paths as given, not
 // resolved), one "flag\tvalue" line each in `all`'s order: what a rank's rendezvous hello carries
 // (RendezvousStore::Connect's `settings`).

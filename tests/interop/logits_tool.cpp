@@ -24,7 +24,7 @@ absl::Status Run(int argc, char** argv) {
   c.moe_router_enable_expert_bias = !ck.state.buffers.empty();  // the routers' expert biases choose experts too
   PTK_ASSIGN_OR_RETURN(auto model, ptk::CreateModel(c, ptk::BackendOptions{}));
   PTK_RETURN_IF_ERROR(model->WriteParams(ck.params));
-  if (!ck.state.buffers.empty()) PTK_RETURN_IF_ERROR(model->WriteBuffers(ck.state.buffers));
+  PTK_RETURN_IF_ERROR(model->WriteBuffers(ck.state.buffers));  // a router's expert_bias routes as trained
   if (std::string(argv[2]) == "--generate") {
     ptk::GenerateOptions g;
     g.new_tokens = std::stoll(argv[3]);

@@ -3,14 +3,17 @@
 // (mlp.experts.local_experts.K.linear_fc1/linear_fc2, split over the tensor ranks as the dense MLP, SwiGLU's
 // [gate; up] per rank), its pre-MLP norm apart (pre_mlp_layernorm.weight under either layer spec), the args that
 // mark the experts; ptk -> megatron -> ptk gives back every weight and AdamW moment bit for bit at tensor x
-// pipeline sizes 1x1 and 2x2; what ptk's MoE layers do not compute (grouped GEMM, expert parallelism, shared
-// experts, ...) refused naming the flag, and so is a MoE checkpoint in the torch_dist format (naming common.pt).
+// pipeline sizes 1x1 and 2x2, and so do shared experts (mlp.shared_experts.*), the routers' expert_bias and the
+// training args of the z-loss, scaling, group-limited routing, token dropping and load-balancing types; what ptk's
+// MoE layers do not compute (grouped GEMM, expert parallelism, input jitter, ...) refused naming the flag, and so is
+// a MoE checkpoint in the torch_dist format (naming common.pt).
 // tests/support/check_moe_export_with_megatron_core.py loads the export
 // in megatron-core itself.
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "interop/hf_gpt2.h"
@@ -20,6 +23,7 @@
 #include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
+#include "trainer/run_settings.h"
 
 namespace ptk {
 namespace {
@@ -50,6 +54,32 @@ GPTConfig Moe(bool every_layer) {
   return c;
 }
 
+// Moe(every_layer) with every MoE feature ptk-train computes beside it: gated shared experts of width 12, the
+// z-loss, a top-k scaling factor, group-limited routing (2 groups, 1 chosen), token dropping at capacity 1.5 by
+// position, and aux_loss with seq_aux_loss; or (every_layer false) sigmoid scores with the expert bias, ungated
+// shared experts and global_aux_loss, dropping by probability.
+GPTConfig MoeWithFeatures(bool every_layer) {
+  GPTConfig c = Moe(every_layer);
+  c.moe_shared_expert_intermediate_size = 12;
+  c.moe_expert_capacity_factor = 1.5;
+  if (every_layer) {
+    c.moe_shared_expert_gate = true;
+    c.moe_z_loss_coeff = 1e-3;
+    c.moe_router_topk_scaling_factor = 2.5;
+    c.moe_router_num_groups = 2;
+    c.moe_router_group_topk = 1;
+    c.moe_token_drop_position = true;
+    c.moe_seq_aux_loss_coeff = 0.02;
+  } else {
+    c.moe_router_pre_softmax = false;
+    c.moe_router_sigmoid = true;
+    c.moe_router_enable_expert_bias = true;
+    c.moe_router_bias_update_rate = 2e-3;
+    c.moe_global_aux_loss_coeff = 0.03;
+  }
+  return c;
+}
+
 class MegatronMoe : public ::testing::Test {
  protected:
   void Save(const GPTConfig& c, const std::string& dir) {
@@ -69,12 +99,20 @@ class MegatronMoe : public ::testing::Test {
     st.iteration = 6;
     st.adam_step = 6;
     st.consumed_train_samples = 48;
-    st.settings = {
-        {"--vocab-size", "100"}, {"--moe-aux-loss-coeff", "0.01"}, {"--lr", "0.001"}, {"--global-batch-size", "8"}};
+    st.settings = {{"--vocab-size", "100"}, {"--lr", "0.001"}, {"--global-batch-size", "8"}};
+    GPTConfig recorded = c;  // the training settings as ptk-train records them (aux_loss 0.01 unless the test's own)
+    if (recorded.moe_aux_loss_coeff == 0) recorded.moe_aux_loss_coeff = 0.01;
+    for (const auto& kv : MoeRunSettings(recorded)) st.settings.push_back(kv);
+    for (int64_t l = 0; l < c.num_layers; ++l)  // the routers' expert biases, as CpuGPTModel::ReadBuffers names them
+      if (c.moe_router_enable_expert_bias && c.moe_layer(l))
+        st.buffers.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", l),
+                                std::vector<float>{0.25f * static_cast<float>(l), -1e-3f, 3e-3f, 7.5e-4f});
+    buffers_ = st.buffers;
     ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, m1_, m2_, st, "[]").ok());
   }
   ParamLayout layout_;
   std::vector<float> params_, m1_, m2_;
+  ModelBuffers buffers_;
 };
 
 TEST_F(MegatronMoe, ExportWritesTheExpertsAsMegatronNamesAndSplitsThem) {
@@ -156,6 +194,154 @@ TEST_F(MegatronMoe, PtkToMegatronToPtkIsBitForBit) {
       }
 }
 
+// Shared experts (SharedExpertMLP: linear_fc1 split by rows as the dense MLP's, SwiGLU's [gate; up] per rank,
+// linear_fc2 by columns, gate_weight whole) and the routers' expert_bias (fp32, whole on every rank, the stage's
+// layer numbers), under both layer specs' one name; the args Megatron-LM's arguments.py would record.
+TEST_F(MegatronMoe, ExportWritesSharedExpertsExpertBiasesAndTheirArgs) {
+  for (bool every : {true, false}) {
+    SCOPED_TRACE(every);
+    testing::TempDir dir;
+    const GPTConfig c = MoeWithFeatures(every);
+    Save(c, dir / "ck");
+    ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
+    o.target_tensor_parallel_size = o.target_pipeline_parallel_size = 2;
+    auto s = ExportToMegatron(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    auto f = torchfmt::TorchArchiveReader::Open(dir / "meg/iter_0000006/mp_rank_01_001/model_optim_rng.pt");
+    ASSERT_TRUE(f.ok()) << f.status();
+    const torchfmt::PyValue* model = (*f)->root().Get("model");
+    ASSERT_NE(model, nullptr);
+    auto shape = [&](const std::string& name) {
+      const torchfmt::PyValue* t = model->Get(name);
+      return t && t->kind == torchfmt::PyValue::Kind::kTensor ? t->tensor.shape : std::vector<int64_t>{};
+    };
+    // Stage 1's first layer is layer 2 (a MoE layer either way).
+    const std::string e = "decoder.layers.0.mlp.shared_experts.";
+    EXPECT_EQ(shape(e + "linear_fc1.weight"), (std::vector<int64_t>{12, 16}));  // 2 x 12 rows over 2 ranks
+    EXPECT_EQ(shape(e + "linear_fc2.weight"), (std::vector<int64_t>{16, 6}));
+    EXPECT_NE(model->Get(e + "linear_fc1._extra_state"), nullptr);
+    EXPECT_EQ(shape(e + "gate_weight"), every ? (std::vector<int64_t>{1, 16}) : std::vector<int64_t>{});
+    EXPECT_EQ(shape("decoder.layers.0.mlp.router.expert_bias"),
+              every ? std::vector<int64_t>{} : (std::vector<int64_t>{4}));
+    EXPECT_EQ(model->Get("decoder.layers.0.mlp.router.local_tokens_per_expert"), nullptr);  // not persistent
+    // Rank 1's shared fc1 rows: its half of the gate's rows (6..11), then its half of the up's (18..23).
+    const LayerParams& lp = layout_.layers[2];
+    auto rows = (*f)->ReadFloat(model->Get(e + "linear_fc1.weight")->tensor, "fc1");
+    ASSERT_TRUE(rows.ok());
+    EXPECT_EQ((*rows)[0], params_[static_cast<size_t>(lp.shared_fc1 + 6 * 16)]);
+    EXPECT_EQ((*rows)[6 * 16], params_[static_cast<size_t>(lp.shared_fc1 + 18 * 16)]);
+    if (!every) {
+      auto bias = (*f)->ReadFloat(model->Get("decoder.layers.0.mlp.router.expert_bias")->tensor, "bias");
+      ASSERT_TRUE(bias.ok());
+      EXPECT_EQ(*bias, buffers_[1].second);  // layer 2's, the second MoE layer's
+    }
+    const torchfmt::PyValue* args = (*f)->root().Get("args");
+    using megatron::BoolAttr, megatron::NumAttr, megatron::StrAttr;
+    EXPECT_EQ(NumAttr(args, "moe_shared_expert_intermediate_size"), 12.0);
+    EXPECT_EQ(BoolAttr(args, "moe_shared_expert_gate", !every), every);
+    EXPECT_EQ(NumAttr(args, "moe_expert_capacity_factor"), 1.5);
+    EXPECT_EQ(StrAttr(args, "moe_token_drop_policy"), every ? "position" : "probs");
+    EXPECT_EQ(StrAttr(args, "moe_router_dtype"), "fp32");
+    if (every) {
+      EXPECT_EQ(NumAttr(args, "moe_z_loss_coeff"), 1e-3);
+      EXPECT_EQ(NumAttr(args, "moe_router_topk_scaling_factor"), 2.5);
+      EXPECT_EQ(NumAttr(args, "moe_router_num_groups"), 2.0);
+      EXPECT_EQ(NumAttr(args, "moe_router_group_topk"), 1.0);
+      EXPECT_FALSE(BoolAttr(args, "moe_router_enable_expert_bias", true));
+    } else {
+      EXPECT_EQ(args->Get("moe_z_loss_coeff")->kind, torchfmt::PyValue::Kind::kNone);
+      EXPECT_EQ(args->Get("moe_router_group_topk")->kind, torchfmt::PyValue::Kind::kNone);
+      EXPECT_TRUE(BoolAttr(args, "moe_router_enable_expert_bias", false));
+      EXPECT_EQ(NumAttr(args, "moe_router_bias_update_rate"), 2e-3);
+    }
+    // Two types: lists of as many (arguments.py's nargs='+', left as lists when longer than one).
+    const torchfmt::PyValue* types = args->Get("moe_router_load_balancing_type");
+    const torchfmt::PyValue* coeffs = args->Get("moe_aux_loss_coeff");
+    ASSERT_TRUE(types && types->kind == torchfmt::PyValue::Kind::kList && types->items.size() == 2);
+    ASSERT_TRUE(coeffs && coeffs->kind == torchfmt::PyValue::Kind::kList && coeffs->items.size() == 2);
+    EXPECT_EQ(types->items[0]->s + " " + types->items[1]->s,
+              every ? "aux_loss seq_aux_loss" : "aux_loss global_aux_loss");
+    EXPECT_EQ(coeffs->items[0]->Number(), 0.01);
+    EXPECT_EQ(coeffs->items[1]->Number(), every ? 0.02 : 0.03);
+  }
+}
+
+TEST_F(MegatronMoe, EveryFeatureGoesPtkToMegatronToPtkBitForBit) {
+  for (bool every : {true, false})
+    for (int64_t size : {1, 2})
+      for (const char* impl : {"transformer_engine", "local"}) {
+        SCOPED_TRACE(::testing::Message() << every << " " << size << " " << impl);
+        testing::TempDir dir;
+        const GPTConfig c = MoeWithFeatures(every);
+        Save(c, dir / "ck");
+        ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
+        o.target_tensor_parallel_size = o.target_pipeline_parallel_size = size;
+        o.saver_transformer_impl = impl;
+        auto s = ExportToMegatron(o);
+        ASSERT_TRUE(s.ok()) << s.status();
+        auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
+        ASSERT_TRUE(back.ok()) << back.status();
+        for (const char* flag :
+             every ? std::vector<const char*>{" --moe-router-load-balancing-type aux_loss seq_aux_loss "
+                                              "--moe-aux-loss-coeff 0.01 0.02",
+                                              " --moe-z-loss-coeff 0.001", " --moe-router-topk-scaling-factor 2.5",
+                                              " --moe-router-num-groups 2 --moe-router-group-topk 1",
+                                              " --moe-shared-expert-intermediate-size 12 --moe-shared-expert-gate",
+                                              " --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position"}
+                   : std::vector<const char*>{
+                         " --moe-router-load-balancing-type aux_loss global_aux_loss --moe-aux-loss-coeff 0.01 0.03",
+                         " --moe-router-score-function sigmoid",
+                         " --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002",
+                         " --moe-shared-expert-intermediate-size 12 --moe-expert-capacity-factor 1.5"})
+          EXPECT_NE(back->train_flags.find(flag), std::string::npos) << flag << "\n" << back->train_flags;
+        auto ck = LoadPtkCheckpoint(dir / "back", 0, false, /*with_optimizer=*/true);
+        ASSERT_TRUE(ck.ok()) << ck.status();
+        const GPTConfig& r = ck->config;
+        EXPECT_EQ(r.moe_shared_expert_intermediate_size, 12);
+        EXPECT_EQ(r.moe_shared_expert_gate, c.moe_shared_expert_gate);
+        EXPECT_EQ(r.moe_z_loss_coeff, c.moe_z_loss_coeff);
+        EXPECT_EQ(r.moe_router_topk_scaling_factor, c.moe_router_topk_scaling_factor);
+        EXPECT_EQ(r.moe_router_num_groups, c.moe_router_num_groups);
+        EXPECT_EQ(r.moe_router_group_topk, c.moe_router_group_topk);
+        EXPECT_EQ(r.moe_expert_capacity_factor, 1.5);
+        EXPECT_EQ(r.moe_token_drop_position, c.moe_token_drop_position);
+        EXPECT_EQ(r.moe_aux_loss_coeff, 0.01);
+        EXPECT_EQ(r.moe_seq_aux_loss_coeff, c.moe_seq_aux_loss_coeff);
+        EXPECT_EQ(r.moe_global_aux_loss_coeff, c.moe_global_aux_loss_coeff);
+        EXPECT_EQ(r.moe_router_sigmoid, c.moe_router_sigmoid);
+        EXPECT_EQ(r.moe_router_enable_expert_bias, c.moe_router_enable_expert_bias);
+        EXPECT_EQ(r.moe_router_bias_update_rate, c.moe_router_bias_update_rate);
+        EXPECT_TRUE(ck->params == params_);
+        EXPECT_TRUE(ck->m1 == m1_);
+        EXPECT_TRUE(ck->m2 == m2_);
+        EXPECT_EQ(ck->state.buffers, buffers_);
+        EXPECT_EQ(ck->state.adam_step, 6);
+        // The imported settings are ptk-train's own for the model: a resume compares them equal.
+        GPTConfig recorded = c;
+        recorded.moe_aux_loss_coeff = 0.01;
+        for (const auto& kv : MoeRunSettings(recorded))
+          EXPECT_NE(std::find(ck->state.settings.begin(), ck->state.settings.end(), kv), ck->state.settings.end())
+              << kv.first << " " << kv.second;
+      }
+}
+
+// An export whose expert bias is gone (or a bias beside a model without one) refused, nothing written.
+TEST_F(MegatronMoe, AnExpertBiasMissingOrExtraIsRefused) {
+  testing::TempDir dir;
+  Save(MoeWithFeatures(false), dir / "ck");
+  TrainState st;
+  st.iteration = st.adam_step = 6;
+  st.settings = {{"--vocab-size", "100"}};
+  for (const auto& kv : MoeRunSettings(MoeWithFeatures(false))) st.settings.push_back(kv);
+  st.buffers = {buffers_[0]};
+  ASSERT_TRUE(SaveCheckpoint(dir / "ck2", layout_, params_, m1_, m2_, st, "[]").ok());
+  auto e = ExportToMegatron(testing::ConvertOpts("ptk", "megatron", dir / "ck2", dir / "meg"));
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("without its buffer decoder.layers.2.mlp.router.expert_bias"), std::string::npos)
+      << e.status();
+  EXPECT_FALSE(std::filesystem::exists(dir / "meg/iter_0000006"));
+}
+
 TEST_F(MegatronMoe, WhatPtkCannotComputeIsRefusedNamingTheFlag) {
   testing::TempDir dir;
   Save(Moe(true), dir / "ck");
@@ -178,10 +364,13 @@ TEST_F(MegatronMoe, WhatPtkCannotComputeIsRefusedNamingTheFlag) {
   const Case cases[] = {
       {"moe_grouped_gemm", torchfmt::MakeBool(true), "--moe-grouped-gemm"},
       {"expert_model_parallel_size", torchfmt::MakeInt(2), "--expert-model-parallel-size 2"},
-      {"moe_shared_expert_intermediate_size", torchfmt::MakeInt(16), "--moe-shared-expert-intermediate-size 16"},
-      {"moe_expert_capacity_factor", torchfmt::MakeFloat(1.5), "--moe-expert-capacity-factor 1.5"},
-      {"moe_router_load_balancing_type", torchfmt::MakeStr("seq_aux_loss"),
-       "--moe-router-load-balancing-type seq_aux_loss"},
+      {"moe_input_jitter_eps", torchfmt::MakeFloat(0.01), "--moe-input-jitter-eps 0.01"},
+      {"moe_router_dtype", torchfmt::MakeStr("fp64"), "--moe-router-dtype fp64"},
+      {"moe_token_drop_policy", torchfmt::MakeStr("random"), "--moe-token-drop-policy random"},
+      {"moe_router_load_balancing_type", torchfmt::MakeStr("sinkhorn"), "--moe-router-load-balancing-type sinkhorn"},
+      {"moe_router_load_balancing_type",
+       torchfmt::MakeList({torchfmt::MakeStr("aux_loss"), torchfmt::MakeStr("seq_aux_loss")}),
+       "--moe-router-load-balancing-type of 2 types with 1 --moe-aux-loss-coeff values"},
   };
   for (const Case& k : cases) {
     torchfmt::PyRef written = torchfmt::MakeDict(), args = torchfmt::MakeDict();
@@ -207,6 +396,20 @@ TEST_F(MegatronMoe, WhatPtkCannotComputeIsRefusedNamingTheFlag) {
   EXPECT_EQ(c.num_experts, 4);
   EXPECT_EQ(c.moe_layer_pattern, (std::vector<int>{1, 0, 1, 0}));
   EXPECT_TRUE(c.moe_router_pre_softmax);
+  // And the features beside: a Megatron-LM run's args (the pad to capacity, the overlap: the same math) read.
+  for (bool every : {true, false}) {
+    torchfmt::PyRef feat = torchfmt::MakeDict();
+    const GPTConfig want = MoeWithFeatures(every);
+    megatron::SetMoeArgs(want, 1, feat.get());
+    torchfmt::DictSet(feat.get(), "moe_pad_expert_input_to_capacity", torchfmt::MakeBool(true));
+    torchfmt::DictSet(feat.get(), "moe_shared_expert_overlap", torchfmt::MakeBool(true));
+    GPTConfig got = Moe(true);
+    got.num_experts = 0;
+    const absl::Status st = megatron::ReadMoeArgs(feat.get(), "meg/args", 1, &got);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(megatron::MoeTrainFlags(got), megatron::MoeTrainFlags(want));
+    EXPECT_EQ(MoeRunSettings(got), MoeRunSettings(want));
+  }
 }
 
 // A torch_dist checkpoint whose args mark experts (tests/data/torch_dist_llama's, its common.pt's args given

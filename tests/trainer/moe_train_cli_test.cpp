@@ -233,7 +233,8 @@ TEST_F(MoeTrainCli, TheRoutersOptionsTrainLogResumeAndAreTheCheckpointsModel) {
 // Shared experts (--moe-shared-expert-intermediate-size, --moe-shared-expert-gate) end to end: a bitwise resume,
 // Megatron's names in the checkpoint, the shared experts another model to a --load without them or of another
 // width, --use-checkpoint-args taking them, --moe-shared-expert-overlap (alltoall) the same run with a note, expert
-// ranks (the shared experts replicated) and data ranks giving one rank's losses, and ptk-convert's refusals.
+// ranks (the shared experts replicated) and data ranks giving one rank's losses, ptk-convert's Megatron round trip
+// and its HF refusal.
 TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) {
   const std::string shared = " --moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate ";
   auto whole = RunCmd(Train(shared + "--save " + ShellQuote(dir_ / "full")));
@@ -284,20 +285,27 @@ TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) 
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(shared), ref, 6, 1e-5, "2 data ranks", &out));
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(2, Train(shared + "--expert-model-parallel-size 2"), ref, 6, 1e-5, "2 expert ranks", &out));
-  // ptk-convert: no Megatron mapping of shared experts yet; the HF saver tries Qwen2-MoE (the one HF class with
-  // shared experts) and names what this GELU/LayerNorm/learned-position model lacks: refused in one line.
-  for (const char* saver : {"megatron", "hf"}) {
-    const std::string to = dir_ / (std::string("export-") + saver);
-    auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
-                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(to));
-    EXPECT_EQ(e.exit_code, 1) << saver << "\n" << e.output;
-    EXPECT_NE(e.output.find(std::string(saver) == "hf"
-                                ? "is not one Hugging Face's Qwen2MoeForCausalLM computes: GELU MLPs without --swiglu"
-                                : "does not write Megatron checkpoints of shared experts yet"),
-              std::string::npos)
-        << e.output;
-    EXPECT_FALSE(std::filesystem::exists(to)) << saver;
-  }
+  // ptk-convert: Megatron's SharedExpertMLP written and read back (the flags to train on named); the HF saver tries
+  // Qwen2-MoE (the one HF class with shared experts) and names what this GELU/LayerNorm/learned-position model
+  // lacks: refused in one line.
+  const std::string mg = dir_ / "export-megatron";
+  auto to_mg = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver megatron --load-dir " +
+                      ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(mg));
+  ASSERT_EQ(to_mg.exit_code, 0) << to_mg.output;
+  auto from_mg = RunCmd(testing::Tool("ptk-convert") + " --loader megatron --saver ptk --load-dir " + ShellQuote(mg) +
+                        " --save-dir " + ShellQuote(dir_ / "back"));
+  ASSERT_EQ(from_mg.exit_code, 0) << from_mg.output;
+  EXPECT_NE(from_mg.output.find(" --moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate"),
+            std::string::npos)
+      << from_mg.output;
+  const std::string to = dir_ / "export-hf";
+  auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") +
+                  " --save-dir " + ShellQuote(to));
+  EXPECT_EQ(e.exit_code, 1) << e.output;
+  EXPECT_NE(e.output.find("is not one Hugging Face's Qwen2MoeForCausalLM computes: GELU MLPs without --swiglu"),
+            std::string::npos)
+      << e.output;
+  EXPECT_FALSE(std::filesystem::exists(to));
 }
 
 // The expert bias (sigmoid scores) and all three load-balancing types: the log line's entries in Megatron's
@@ -360,14 +368,28 @@ TEST_F(MoeTrainCli, TheExpertBiasAndTheBalancingTypesTrainLogAndResume) {
   auto without = RunCmd(Train(" --moe-router-score-function sigmoid --load " + ShellQuote(dir_ / "ck")));
   EXPECT_NE(without.exit_code, 0) << without.output;
   EXPECT_NE(without.output.find("decoder.layers.0.mlp.router.expert_bias"), std::string::npos) << without.output;
-  // ptk-convert carries expert biases only into DeepSeek-V3 (an MLA model): refused saying so, nothing written.
-  const std::string mg = dir_ / "export-megatron";
-  auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver megatron --load-dir " +
-                  ShellQuote(dir_ / "full") + " --save-dir " + ShellQuote(mg));
-  EXPECT_NE(e.exit_code, 0) << e.output;
-  EXPECT_NE(e.output.find("ptk-convert carries expert biases only into DeepseekV3ForCausalLM"), std::string::npos)
-      << e.output;
-  EXPECT_FALSE(std::filesystem::exists(mg));
+  // ptk-convert carries the expert biases to Megatron (mlp.router.expert_bias) and back, with the flags; HF's
+  // classes route without one: refused saying so, nothing written.
+  const std::string mg = dir_ / "export-megatron", back = dir_ / "back", hf = dir_ / "export-hf";
+  const std::string convert = testing::Tool("ptk-convert");
+  auto e = RunCmd(convert + " --loader ptk --saver megatron --load-dir " + ShellQuote(dir_ / "full") + " --save-dir " +
+                  ShellQuote(mg));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  auto imported = RunCmd(convert + " --loader megatron --saver ptk --load-dir " + ShellQuote(mg) + " --save-dir " +
+                         ShellQuote(back));
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  EXPECT_NE(imported.output.find(" --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01"),
+            std::string::npos)
+      << imported.output;
+  simdjson::dom::parser parser3;
+  simdjson::dom::element h3;
+  ASSERT_FALSE(parser3.parse(header(back)).get(h3));
+  EXPECT_EQ(simdjson::minify(h3["buffers"]), simdjson::minify(h["buffers"]));
+  auto to_hf = RunCmd(convert + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "full") + " --save-dir " +
+                      ShellQuote(hf));
+  EXPECT_NE(to_hf.exit_code, 0) << to_hf.output;
+  EXPECT_NE(to_hf.output.find("route without an expert bias"), std::string::npos) << to_hf.output;
+  EXPECT_FALSE(std::filesystem::exists(hf));
   // Data and expert ranks: the token counts summed over the data group, the biases and losses one rank's.
   const std::string seq = bias + " --moe-router-load-balancing-type seq_aux_loss";
   auto one = RunCmd(Train(seq));
