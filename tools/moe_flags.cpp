@@ -309,6 +309,13 @@ absl::Status RefuseMoeTensorParallel(const TrainFlags& f) {
                       " needs --sequence-parallel (as Megatron: \"When using MoE and tensor parallelism, "
                       "sequence parallelism must be used.\")");
   const TrainFlags::Moe& m = f.moe;
+  for (const auto& [flag, size] : {std::pair{"--moe-ffn-hidden-size", m.ffn.value_or(0)},
+                                   {"--moe-shared-expert-intermediate-size", m.shared_expert_size.value_or(0)}})
+    if (size % tp != 0)
+      return UsageError(
+          fmt::format("{} {} is not divisible by --tensor-model-parallel-size {}: each tensor rank "
+                      "holds as many of each expert's columns",
+                      flag, size, tp));
   auto refuse = [&](const std::string& what, const std::string& why) {
     return UsageError(fmt::format("{} with {}: {}", what, flags, why));
   };

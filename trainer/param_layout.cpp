@@ -256,10 +256,15 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(fmt::format(
         "--multi-latent-attention with --tensor-model-parallel-size {}: multi-latent attention runs on one tensor rank",
         tensor_size));
-  if (config.moe() && (config.moe_ffn() % tensor_size != 0 || config.moe_shared_expert_intermediate_size % tensor_size))
+  if (config.moe() && config.moe_ffn() % tensor_size != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("the experts' ffn (--moe-ffn-hidden-size, default --ffn-hidden-size: {}) must be a multiple of "
+                    "--tensor-model-parallel-size ({})",
+                    config.moe_ffn(), tensor_size));
+  if (config.moe() && config.moe_shared_expert_intermediate_size % tensor_size != 0)
     return absl::InvalidArgumentError(fmt::format(
-        "the experts' ffn {} and the shared experts' {} must be multiples of --tensor-model-parallel-size {}",
-        config.moe_ffn(), config.moe_shared_expert_intermediate_size, tensor_size));
+        "--moe-shared-expert-intermediate-size ({}) must be a multiple of --tensor-model-parallel-size ({})",
+        config.moe_shared_expert_intermediate_size, tensor_size));
   if (config.ffn_hidden_size % tensor_size != 0)
     return absl::InvalidArgumentError(
         fmt::format("--ffn-hidden-size ({}) must be a multiple of --tensor-model-parallel-size ({})",
