@@ -64,6 +64,10 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
                   "Expert-parallel ranks: each holds --num-experts / N experts of every MoE layer (CPU; N divides the "
                   "data ranks)")
       ->check(IntIn(1, kMaxSize));
+  app->add_option("--expert-tensor-parallel-size", m.expert_tensor_parallel,
+                  "Tensor ranks each expert is split over (default --tensor-model-parallel-size, the one value ptk "
+                  "implements: fc1 column-parallel, fc2 row-parallel)")
+      ->check(IntIn(1, kMaxSize));
   AddMoeBalanceFlags(app, f);  // moe_balance_flags.cpp
   AddSharedExpertFlags(app, f);
   app->add_option("--moe-expert-capacity-factor", m.capacity_factor,
@@ -289,25 +293,57 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
   if (f.options.sample.interval > 0) return refuse("--sample-interval");
   return absl::OkStatus();
 }
+// --tensor-model-parallel-size above 1: Megatron's checks (sequence parallelism), the experts split over the tensor
+// ranks (--expert-tensor-parallel-size the tensor size), and what ptk has not checked against Megatron there.
+absl::Status RefuseMoeTensorParallel(const TrainFlags& f) {
+  const int64_t tp = f.tensor_model_parallel_size, etp = f.moe.expert_tensor_parallel.value_or(tp);
+  const std::string flags = fmt::format("--num-experts {} with --tensor-model-parallel-size {}", f.moe.num_experts, tp);
+  if (etp != tp)
+    return UsageError(fmt::format(
+        "--expert-tensor-parallel-size {} with --tensor-model-parallel-size {}: ptk splits the experts over the "
+        "tensor ranks (--expert-tensor-parallel-size equal to the tensor size) only",
+        etp, tp));
+  if (tp == 1) return absl::OkStatus();
+  if (!f.options.backend.sequence_parallel)
+    return UsageError(flags +
+                      " needs --sequence-parallel (as Megatron: \"When using MoE and tensor parallelism, "
+                      "sequence parallelism must be used.\")");
+  const TrainFlags::Moe& m = f.moe;
+  for (const auto& [flag, size] : {std::pair{"--moe-ffn-hidden-size", m.ffn.value_or(0)},
+                                   {"--moe-shared-expert-intermediate-size", m.shared_expert_size.value_or(0)}})
+    if (size % tp != 0)
+      return UsageError(
+          fmt::format("{} {} is not divisible by --tensor-model-parallel-size {}: each tensor rank "
+                      "holds as many of each expert's columns",
+                      flag, size, tp));
+  auto refuse = [&](const std::string& what, const std::string& why) {
+    return UsageError(fmt::format("{} with {}: {}", what, flags, why));
+  };
+  if (m.z_loss_coeff.value_or(0) > 0)
+    return refuse("--moe-z-loss-coeff",
+                  "Megatron divides the z-loss's coefficient by the tensor ranks and logs each rank's own; ptk has "
+                  "not checked that against Megatron and refuses it");
+  if (m.capacity_factor.value_or(-1) >= 0)
+    return refuse("--moe-expert-capacity-factor",
+                  "Megatron's capacity counts each tensor rank's own tokens; ptk has not implemented that and "
+                  "refuses it");
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status RefuseMoeParallelism(const TrainFlags& f) {
   if (f.moe.num_experts == 0) {
     if (f.moe.expert_parallel > 1)
       return UsageError(fmt::format("--expert-model-parallel-size {} without --num-experts", f.moe.expert_parallel));
+    if (f.moe.expert_tensor_parallel && *f.moe.expert_tensor_parallel != f.tensor_model_parallel_size)
+      return UsageError(
+          fmt::format("--expert-tensor-parallel-size {} without --num-experts", *f.moe.expert_tensor_parallel));
     return absl::OkStatus();
   }
   const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
-  auto refuse = [&](const std::string& what) {
-    return UsageError(fmt::format(
-        "{} with {}: ptk's mixture-of-experts layers run with data, expert, pipeline and context parallelism only "
-        "for now (tensor parallelism is the next slice)",
-        moe, what));
-  };
   PTK_RETURN_IF_ERROR(RefuseExpertParallel(f));
   PTK_RETURN_IF_ERROR(RefuseMoeBalanceParallelism(f));
-  if (f.tensor_model_parallel_size > 1)
-    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
+  PTK_RETURN_IF_ERROR(RefuseMoeTensorParallel(f));
   const TrainFlags::Moe& m = f.moe;
   const bool aux = !m.aux_loss_coeff.empty() && m.aux_loss_coeff[0] > 0 &&
                    (m.load_balancing_type.empty() || m.load_balancing_type[0] != "none");

@@ -30,6 +30,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
       RefuseCpuOnlyAttention(flags, flags.device == "cuda" || flags.bf16 || flags.fp16 ? Device::kCuda : Device::kCpu));
   TrainFlags f = flags;
   f.tensor_model_parallel_size = f.pipeline_model_parallel_size = f.context_parallel_size = 1;
+  f.moe.expert_tensor_parallel.reset();  // checked above at the plan's tensor size
   f.num_layers_per_virtual_pipeline_stage.reset();
   f.num_virtual_stages_per_pipeline_rank.reset();
   f.decoder_first_pipeline_num_layers.reset();

@@ -95,7 +95,8 @@ struct TrainFlags {
     std::string score_function = "softmax", layer_freq, dispatcher, router_dtype;
     bool pre_softmax = false, grouped_gemm = false, permute_fusion = false;
     int64_t expert_parallel = 1;
-    bool enable_expert_bias = false;  // aux-loss-free routing (moe_balance_flags.cpp)
+    std::optional<int64_t> expert_tensor_parallel;  // --expert-tensor-parallel-size (default: the tensor size)
+    bool enable_expert_bias = false;                // aux-loss-free routing (moe_balance_flags.cpp)
     std::optional<double> bias_update_rate;
     // Shared experts (shared_experts_flags.cpp): their width (none: no shared experts), the gate, the overlap.
     std::optional<int64_t> shared_expert_size;

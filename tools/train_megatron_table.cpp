@@ -136,7 +136,7 @@ constexpr Group kGroups[] = {
            "expert capacity) with softmax or sigmoid scores (no jitter), SequentialMLP experts (and shared "
            "experts), aux_loss, seq_aux_loss, global_aux_loss or none",
      "--ep-overlap-early-attn-memory-release "
-     "--expert-tensor-parallel-size= --moe-apply-probs-on-input "
+     "--moe-apply-probs-on-input "
      "--moe-deepep-num-sms= --moe-enable-deepep --moe-enable-routing-replay "
      "--moe-extended-tp "
      "--moe-flex-dispatcher-backend= --moe-hybridep-num-sms= "

@@ -104,13 +104,14 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
   if (c.learnable_softmax()) n += layers_on_stage * (c.num_attention_heads / t);  // softmax_offset, split by heads
-  if (c.moe()) {  // one tensor rank (ptk-train refuses more): each MoE layer's router and experts
-    PTK_CHECK(tensor == 1 && (moe_layers_on_stage >= 0 || layers_on_stage == c.num_layers));
+  if (c.moe()) {  // each MoE layer's router (whole) and experts (each split over the tensor ranks, as the MLP)
+    PTK_CHECK(moe_layers_on_stage >= 0 || layers_on_stage == c.num_layers);
     const int64_t moe = moe_layers_on_stage >= 0 ? moe_layers_on_stage : c.moe_layers();
     PTK_CHECK(moe <= layers_on_stage);
-    n -= moe * (fc1 * h + h * ffn);  // the dense MLP they hold instead (no biases with experts)
-    n += moe * (c.num_experts * h + c.num_experts * c.expert_floats());
-    n += moe * c.shared_expert_floats();  // and their shared experts (0 without)
+    n -= moe * (fc1 * h / t + h * ffn / t);  // the dense MLP they hold instead (no biases with experts)
+    n += moe * (c.num_experts * h + c.num_experts * c.expert_floats() / t);
+    const int64_t gate = c.moe_shared_expert_intermediate_size > 0 && c.moe_shared_expert_gate ? h : 0;
+    n += moe * ((c.shared_expert_floats() - gate) / t + gate);  // and their shared experts (0 without)
   }
   const bool first = stage == 0, last = stage == pipeline - 1;
   if (first) n += vocab_slice;

@@ -132,7 +132,8 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
       *to = take(from);
     lp.router_w = take(w.router_w);
     if (w.experts >= 0) {  // each expert's fc1 and fc2, in order
-      const int64_t ef = whole.config.expert_floats(), f1 = ef - whole.config.hidden_size * whole.config.moe_ffn();
+      const int64_t ef = whole.config.expert_floats() / whole.tensor_size,
+                    f1 = ef - whole.config.hidden_size * whole.config.moe_ffn() / whole.tensor_size;
       for (int64_t j = 0; j < whole.config.num_experts; ++j) {
         const int64_t at = take(w.experts + j * ef);
         if (j == 0) lp.experts = at;
@@ -193,7 +194,7 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
           &lp.ln2_b,    &lp.fc1_w,    &lp.fc1_b,    &lp.fc2_w,      &lp.fc2_b,      &lp.q_norm_w,   &lp.q_norm_b,
           &lp.k_norm_w, &lp.k_norm_b, &lp.router_w, &lp.shared_fc1, &lp.shared_fc2, &lp.shared_gate})
       *f = move(*f);
-    if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats());
+    if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats() / in.tensor_size);
   }
   for (int64_t* f : {&s.wte, &s.wpe, &s.lnf_w, &s.lnf_b, &s.out_w}) *f = move(*f);
   s.num_params = offset;
@@ -255,10 +256,15 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(fmt::format(
         "--multi-latent-attention with --tensor-model-parallel-size {}: multi-latent attention runs on one tensor rank",
         tensor_size));
-  if (config.moe() && tensor_size > 1)
+  if (config.moe() && config.moe_ffn() % tensor_size != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("the experts' ffn (--moe-ffn-hidden-size, default --ffn-hidden-size: {}) must be a multiple of "
+                    "--tensor-model-parallel-size ({})",
+                    config.moe_ffn(), tensor_size));
+  if (config.moe() && config.moe_shared_expert_intermediate_size % tensor_size != 0)
     return absl::InvalidArgumentError(fmt::format(
-        "--num-experts {} with --tensor-model-parallel-size {}: the mixture-of-experts layers run on one tensor rank",
-        config.num_experts, tensor_size));
+        "--moe-shared-expert-intermediate-size ({}) must be a multiple of --tensor-model-parallel-size ({})",
+        config.moe_shared_expert_intermediate_size, tensor_size));
   if (config.ffn_hidden_size % tensor_size != 0)
     return absl::InvalidArgumentError(
         fmt::format("--ffn-hidden-size ({}) must be a multiple of --tensor-model-parallel-size ({})",
@@ -379,22 +385,25 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.ln2_b = add_if(ln, p + "pre_mlp_layernorm.bias", std::vector<int64_t>{c}, 0.0);
     // A depth's layer is of the decoder's last layer's spec (get_gpt_mtp_block_spec): MoE when that one is.
     if (config.moe_layer(std::min(l, L - 1))) {  // Megatron's MoELayer: its router, then SequentialMLP's experts
-      const int64_t fm = config.moe_ffn(), fm1 = (config.swiglu ? 2 : 1) * fm;
+      // Tensor ranks (the expert tensor size is the tensor size): each expert's and the shared experts' fc1
+      // column-parallel (SwiGLU's gate and up halves each split, [gate; up] per rank) and fc2 row-parallel, as the
+      // dense MLP's; the router and the shared experts' gate whole on every rank.
+      const int64_t fm = config.moe_ffn() / T, fm1 = (config.swiglu ? 2 : 1) * fm;
       lp.router_w = add(p + "mlp.router.weight", {config.num_experts, c}, std);
       for (int64_t j = 0; j < config.num_experts; ++j) {
         const std::string e = fmt::format("{}mlp.experts.local_experts.{}.", p, j);
-        const int64_t at = add(e + "linear_fc1.weight", {fm1, c}, std);
+        const int64_t at = add(e + "linear_fc1.weight", {fm1, c}, std, 0.0f, 0, fc1_chunks);
         m.infos.back().expert = true;
         if (j == 0) lp.experts = at;
-        add(e + "linear_fc2.weight", {c, fm}, out_std);
+        add(e + "linear_fc2.weight", {c, fm}, out_std, 0.0f, 1);
         m.infos.back().expert = true;
       }
       if (config.moe_shared_expert_intermediate_size > 0) {  // SharedExpertMLP: its own gate_weight, then its MLP's
-        const int64_t fs = config.moe_shared_expert_intermediate_size, fs1 = (config.swiglu ? 2 : 1) * fs;
+        const int64_t fs = config.moe_shared_expert_intermediate_size / T, fs1 = (config.swiglu ? 2 : 1) * fs;
         const std::string e = p + "mlp.shared_experts.";
         lp.shared_gate = add_if(config.moe_shared_expert_gate, e + "gate_weight", std::vector<int64_t>{1, c}, std);
-        lp.shared_fc1 = add(e + "linear_fc1.weight", {fs1, c}, std);
-        lp.shared_fc2 = add(e + "linear_fc2.weight", {c, fs}, out_std);
+        lp.shared_fc1 = add(e + "linear_fc1.weight", {fs1, c}, std, 0.0f, 0, fc1_chunks);
+        lp.shared_fc2 = add(e + "linear_fc2.weight", {c, fs}, out_std, 0.0f, 1);
       }
       lp.fc1_w = lp.fc1_b = lp.fc2_w = lp.fc2_b = -1;
       if (l >= L)

@@ -645,12 +645,14 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --moe-layer-freq __import__(\"os\"): a "
        "positive count"},
       {moe + " --moe-layer-freq '[0]*3'", "usage error: --moe-layer-freq [0]*3: no layer is MoE"},
-      {moe + " --tensor-model-parallel-size 2", "usage error: --num-experts 4 with --tensor-model-parallel-size 2:"},
+      {moe + " --tensor-model-parallel-size 2",
+       "usage error: --num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
       {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
        "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},
       {moe + " --device cuda", "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
       {moe + " --dry-run --bf16", "usage error: --num-experts 4 on --device cuda"},
-      {moe + " --dry-run --tensor-model-parallel-size 2", "--num-experts 4 with --tensor-model-parallel-size 2"},
+      {moe + " --dry-run --tensor-model-parallel-size 2",
+       "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
   };
   for (const auto& [flags, want] : cases) {
     auto r = RunCmd(base + flags);

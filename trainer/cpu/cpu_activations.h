@@ -118,9 +118,9 @@ inline void MlpActivationBackward(const GPTConfig& cf, float* dff, const float* 
 }
 
 // A MoE layer's shared experts' settings (GPTConfig::moe_shared_expert_intermediate_size): the experts' activation.
-inline cpu::SharedExpertSettings SharedExpertSettingsOf(const GPTConfig& cf) {
+inline cpu::SharedExpertSettings SharedExpertSettingsOf(const GPTConfig& cf, int64_t tensor_size = 1) {
   cpu::SharedExpertSettings s;
-  s.ffn = cf.moe_shared_expert_intermediate_size;
+  s.ffn = cf.moe_shared_expert_intermediate_size / tensor_size;  // a tensor rank's slice
   s.gate = cf.moe_shared_expert_gate;
   s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
                  : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu

@@ -150,12 +150,18 @@ class CpuGPTModel final : public GPTModel {
                                         const AttentionShape& shape, double p, uint64_t seed);
   // This rank's qkv rows gathered with the others' into act_->cp_qkv, the whole samples' order.
   absl::Status GatherContextRows(const float* qkv, int64_t b, int64_t t, int64_t w);
-  // A mixture-of-experts layer's MLP (cpu_moe_layer.cpp): from act_->ln2[l] into act_->tmp, the
+  // A mixture-of-experts layer's MLP (cpu_moe_layer.cpp): from x (n rows: act_->ln2[l], or its rows gathered
+  // over the tensor group) into act_->tmp, the
   // training pass's load-balancing loss added to moe_aux_sum_ (with context ranks its counts the
   // group's, summed over context_comm_) and its z-loss to moe_z_sum_; backward from act_->dtmp, ln2's output
-  // gradient assigned to act_->dln.
-  absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, int64_t n, bool train);
-  absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, bool train);
+  // gradient assigned to act_->dln. With tensor ranks (sequence parallelism) every rank routes all n rows, its
+  // experts' ffn slice gives a partial output (summed by the caller's reduce-scatter); backward leaves the partial
+  // input gradient in act_->dln, the router's (from x_router: x with the other ranks' rows zeroed, so its weight
+  // gradient is this rank's rows' share, summed over the group as the norms') in act_->dtmp.
+  absl::Status MoeMlpForward(int64_t l, const LayerParams& lp, const float* x, int64_t n, bool train);
+  absl::Status MoeMlpBackward(int64_t l, const LayerParams& lp, const float* x, const float* x_router, bool train);
+  // Sequence parallelism's MoE backward (sequence_parallel_cpu.cpp): from act_->dtmp to act_->dln (n rows).
+  absl::Status MoeBackwardRows(int64_t l, const LayerParams& lp, const ModelBatch& batch, bool train);
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;
   // Load balancing beyond aux_loss (moe_balance.cpp): per layer the expert bias and the tokens its experts got
   // since the last update (aux-loss-free routing), global_aux_loss's counts summed over the step's micro-batches

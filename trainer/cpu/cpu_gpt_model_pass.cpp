@@ -159,7 +159,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, n, c);
     if (lp.router_w >= 0) {  // a mixture-of-experts layer
-      PTK_RETURN_IF_ERROR(MoeMlpForward(l, lp, n, train));
+      PTK_RETURN_IF_ERROR(MoeMlpForward(l, lp, a.ln2[l].data(), n, train));
     } else {
       cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c,
                          (cf.swiglu ? 2 : 1) * f);
@@ -250,7 +250,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
     if (lp.router_w >= 0) {  // a mixture-of-experts layer
-      PTK_RETURN_IF_ERROR(MoeMlpBackward(l, lp, train));
+      PTK_RETURN_IF_ERROR(MoeMlpBackward(l, lp, a.ln2[l].data(), a.ln2[l].data(), train));
     } else {
       float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
       std::fill(dact, dact + n * f, 0.0f);

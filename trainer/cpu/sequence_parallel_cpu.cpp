@@ -132,6 +132,27 @@ absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t 
   return absl::OkStatus();
 }
 
+// A mixture-of-experts layer's backward from its output's gradient gathered in act_->dtmp: the experts' partial
+// input gradient (act_->dln, reduce-scattered by the caller) plus the router's on this rank's rows only (Megatron
+// routes each rank's own tokens), its weight gradient from those rows (summed over the tensor group as the norms').
+absl::Status CpuGPTModel::MoeBackwardRows(int64_t l, const LayerParams& lp, const ModelBatch& batch, bool train) {
+  Activations& a = *act_;
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
+  const int64_t c = config().hidden_size, n = batch.b * batch.t;
+  float* whole = a.sp_whole.data();
+  PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+  float* mine = a.sp_buf.data();  // the gathered rows with the other ranks' zeroed
+  std::fill(mine, mine + n * c, 0.0f);
+  for (int64_t s = 0; s < r.b; ++s) {
+    const int64_t at = (s * r.t + r.t0) * c;
+    std::copy(whole + at, whole + at + r.tl * c, mine + at);
+  }
+  PTK_RETURN_IF_ERROR(MoeMlpBackward(l, lp, whole, mine, train));
+  for (int64_t s = 0; s < r.b; ++s)
+    for (int64_t i = (s * r.t + r.t0) * c, e = i + r.tl * c; i < e; ++i) a.dln[i] += a.dtmp[i];
+  return absl::OkStatus();
+}
+
 absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
@@ -193,9 +214,13 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
-    cpu::MatmulForward(a.fc1[l].data(), whole, P + lp.fc1_w, At(P, lp.fc1_b), n, c, f1);
-    MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
-    cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
+    if (lp.router_w >= 0) {  // a mixture-of-experts layer: every rank routes the gathered rows (cpu_moe_layer.cpp)
+      PTK_RETURN_IF_ERROR(MoeMlpForward(l, lp, whole, n, train));
+    } else {
+      cpu::MatmulForward(a.fc1[l].data(), whole, P + lp.fc1_w, At(P, lp.fc1_b), n, c, f1);
+      MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
+      cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
+    }
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.fc2_b), nl, c);
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
@@ -245,14 +270,18 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
     BiasGradRows(At(G, lp.fc2_b), loc, nl, c);  // added to this rank's rows, as Megatron adds it
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
-    float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
-    std::fill(dact, dact + n * f, 0.0f);
-    cpu::MatmulBackward(dact, G + lp.fc2_w, static_cast<float*>(nullptr), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w,
-                        n, f, c);
-    MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
-    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
-    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), whole, P + lp.fc1_w, n, c, f1);
+    if (lp.router_w >= 0) {
+      PTK_RETURN_IF_ERROR(MoeBackwardRows(l, lp, batch, train));
+    } else {
+      float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
+      std::fill(dact, dact + n * f, 0.0f);
+      cpu::MatmulBackward(dact, G + lp.fc2_w, static_cast<float*>(nullptr), a.dtmp.data(), a.gelu[l].data(),
+                          P + lp.fc2_w, n, f, c);
+      MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
+      std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+      PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+      cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), whole, P + lp.fc1_w, n, c, f1);
+    }
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln2_w, lp.ln2_b, loc, a.resid_mid[l].data(),
                                               a.ln2_mean[l].data(), a.ln2_rstd[l].data(), nl));

@@ -1,0 +1,191 @@
+// ptk-train's mixture-of-experts layers with tensor parallelism (CPU, --sequence-parallel as Megatron requires),
+// ranks as processes over loopback gloo: T = 2 gives one rank's lm losses and load_balancing_loss within 1e-5
+// relative over 6 iterations with dropout on (GELU experts with the aux loss; SwiGLU experts with gated shared
+// experts; sigmoid routing with a top-k scaling factor, group-limited routing and a dense layer), and beside 2 data
+// ranks (ZeRO-1), 2 pipeline stages or 2 context ranks; a T = 2 checkpoint
+// (iter_N/mp_rank_00 and mp_rank_01, each rank's expert slices under Megatron's SequentialMLP names) resumes at
+// T = 2 with the uninterrupted run's lines character for character and at T = 1 within 1e-5; the combinations
+// left refused are refused in one line, exit 2.
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+class MoeTensorParallelCli : public testing::RanksTest {
+ protected:
+  MoeTensorParallelCli() : RanksTest(testing::kSmallVocabEod) {}
+  // 2 layers, global batch 4 of micro-batches of 1, dropout on (Megatron's defaults), `T` tensor ranks.
+  std::string Train(int T, const std::string& extra, int64_t iters = 6) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear"
+           " --tensor-model-parallel-size " +
+           std::to_string(T) + (T > 1 ? " --sequence-parallel" : "") + " --data-path " + ShellQuote(prefix_) +
+           " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
+  }
+  // The load_balancing_loss of each log line.
+  static std::vector<double> Balancing(const std::string& out) {
+    std::vector<double> v;
+    const std::regex re(R"(\| load_balancing_loss: (\S+) \|)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back(std::stod((*it)[1].str()));
+    return v;
+  }
+};
+
+TEST_F(MoeTensorParallelCli, TwoTensorRanksGiveOneRanksLossesAndBalancingLoss) {
+  const std::vector<std::pair<std::string, std::string>> models = {
+      {"GELU experts, aux loss", "--moe-aux-loss-coeff 0.01"},
+      {"SwiGLU experts, gated shared experts, aux loss",
+       "--swiglu --moe-aux-loss-coeff 0.01 --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate"},
+      {"sigmoid routing, scaling, groups, a dense layer",
+       "--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2 --moe-router-num-groups 2 "
+       "--moe-router-group-topk 2 --moe-layer-freq '[1,0]' --moe-aux-loss-coeff 0.01"},
+      {"softmax after top-k, no aux loss", "--moe-router-pre-softmax --normalization RMSNorm"},
+  };
+  for (const auto& [what, flags] : models) {
+    SCOPED_TRACE(what);
+    auto one = RunCmd(Train(1, flags));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const auto ref = Losses(one.output);
+    ASSERT_EQ(ref.size(), 6u) << one.output;
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, flags), ref, 6, 1e-5, what + " T=2", &out));
+    EXPECT_NE(out.find("> initialized tensor model parallel with size 2"), std::string::npos) << out;
+    const auto b1 = Balancing(one.output), b2 = Balancing(out);
+    ASSERT_EQ(b1.size(), b2.size()) << out;
+    for (size_t i = 0; i < b1.size(); ++i) EXPECT_NEAR(b2[i], b1[i], 1e-5 * b1[i]) << "line " << i;
+  }
+}
+
+// T = 2 beside 2 data ranks with ZeRO-1, 2 pipeline stages and 2 context ranks (4 ranks each): one rank's losses.
+TEST_F(MoeTensorParallelCli, TensorRanksBesideDataPipelineAndContextRanksGiveOneRanksLosses) {
+  const std::string flags = "--moe-aux-loss-coeff 0.01 --swiglu";
+  auto one = RunCmd(Train(1, flags));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = Losses(one.output);
+  ASSERT_EQ(ref.size(), 6u) << one.output;
+  for (const char* other :
+       {"--use-distributed-optimizer", "--pipeline-model-parallel-size 2", "--context-parallel-size 2"}) {
+    const std::string what = std::string("T=2 with ") + other;
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, flags + " " + other), ref, 6, 1e-5, what, &out));
+  }
+}
+
+// A T = 2 checkpoint: each rank's expert slices under Megatron's names and shapes (LoadCheckpoint checks every
+// name and shape against a rank's layout), a stopped run resumed bit for bit, and at T = 1 one rank's losses.
+TEST_F(MoeTensorParallelCli, CheckpointsHoldEachRanksSlicesAndResume) {
+  const std::string flags = "--swiglu --moe-aux-loss-coeff 0.01";
+  const auto train = [&](const std::string& extra) { return Train(2, flags + " " + extra, 20); };
+  ASSERT_NO_FATAL_FAILURE(
+      StopAndResumeAtTheSameSize(2, train, "[ t 1/2, p 1/1 ]", {"mp_rank_00", "mp_rank_01"}, "mp_rank_02"));
+  GPTConfig c = testing::TinyModel(1000, 1024);
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.ffn_hidden_size = 64;  // Megatron's SwiGLU default for hidden 32: 4h x 2/3 down to a multiple of 64
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 48;
+  c.moe_aux_loss_coeff = 0.01;
+  for (int rank : {0, 1}) {
+    auto layout = ParamLayout::Create(c, 2, rank);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    bool sliced = false;
+    for (const ParamInfo& p : layout->infos)
+      if (p.name == "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight")
+        sliced = p.shape == std::vector<int64_t>{48, 32};  // [gate; up] of 24 rows each
+    EXPECT_TRUE(sliced);
+    std::vector<float> p, m, v;
+    TrainState st;
+    const absl::Status s = LoadCheckpoint(dir_ / "ck1", 10, *layout, &p, &m, &v, &st);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  auto one = RunCmd(Train(1, flags, 20));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto t1 = RunCmd(Train(1, flags + " --load " + ShellQuote(dir_ / "ck1"), 20));
+  ASSERT_EQ(t1.exit_code, 0) << t1.output;
+  EXPECT_NE(t1.output.find("saved with --tensor-model-parallel-size 2): the saved ranks' slices"), std::string::npos)
+      << t1.output;
+  ASSERT_EQ(Losses(t1.output).size(), 10u) << t1.output;
+  EXPECT_LT(Worst(Losses(t1.output), Losses(one.output)), 1e-5);
+  std::printf("T=2 MoE checkpoint resumed at T=1: %.3g largest relative difference from one rank's losses\n",
+              Worst(Losses(t1.output), Losses(one.output)));
+  // ptk-convert reads it (the slices put together) and writes Megatron's layout at T = 2, which reads back.
+  const std::string mg = dir_ / "megatron", back = dir_ / "back";
+  auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver megatron --target-tensor-parallel-size 2" +
+                  " --load-dir " + ShellQuote(dir_ / "ck4") + " --save-dir " + ShellQuote(mg));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(mg) / "iter_0000010/mp_rank_01")) << e.output;
+  e = RunCmd(testing::Tool("ptk-convert") + " --loader megatron --saver ptk --load-dir " + ShellQuote(mg) +
+             " --save-dir " + ShellQuote(back));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  auto whole = ParamLayout::Create(c);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::vector<float> a, b, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "ck4", 10, *whole, &a, &m, &v, &st).ok());
+  const absl::Status s = LoadCheckpoint(back, 10, *whole, &b, &m, &v, &st);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(a, b);
+}
+
+TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
+  const std::string base = testing::Tool("ptk-train") +
+                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data "
+                           "--dry-run --num-experts 4 --disable-bias-linear " +
+                           testing::SmallVocabFlags();
+  const std::string tp = " --tensor-model-parallel-size 2";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {tp, "usage error: --num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel (as Megatron"},
+      {tp + " --sequence-parallel --expert-tensor-parallel-size 1",
+       "usage error: --expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2: ptk splits the experts"},
+      {" --expert-tensor-parallel-size 2",
+       "usage error: --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1: ptk splits the experts"},
+      {" --expert-tensor-parallel-size 0", "--expert-tensor-parallel-size"},
+      {tp + " --sequence-parallel --moe-ffn-hidden-size 47",
+       "usage error: --moe-ffn-hidden-size 47 is not divisible by --tensor-model-parallel-size 2"},
+      {tp + " --sequence-parallel --moe-shared-expert-intermediate-size 33",
+       "usage error: --moe-shared-expert-intermediate-size 33 is not divisible by --tensor-model-parallel-size 2"},
+      {tp + " --sequence-parallel --moe-z-loss-coeff 0.01",
+       "usage error: --moe-z-loss-coeff with --num-experts 4 with --tensor-model-parallel-size 2: Megatron divides"},
+      {tp + " --sequence-parallel --moe-expert-capacity-factor 1",
+       "usage error: --moe-expert-capacity-factor with --num-experts 4 with --tensor-model-parallel-size 2:"},
+      {tp + " --sequence-parallel --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
+       "usage error: --moe-router-load-balancing-type seq_aux_loss with --tensor-model-parallel-size 2: ptk has not"},
+      {tp + " --sequence-parallel --moe-router-score-function sigmoid --moe-router-enable-expert-bias",
+       "usage error: --moe-router-enable-expert-bias with --tensor-model-parallel-size 2: ptk has not"},
+      {tp + " --sequence-parallel --expert-model-parallel-size 2",
+       "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
+      {tp + " --sequence-parallel --device cuda", "usage error: --num-experts 4 on --device cuda"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+    const std::string line = r.output.substr(0, r.output.find('\n') + 1);  // then CLI11's "Run with --help" hint
+    EXPECT_EQ(r.output.substr(line.size()), "Run with --help for more information.\n") << flags << "\n" << r.output;
+  }
+  // The default and the tensor size are accepted (a dry run's plan).
+  auto ok = RunCmd("WORLD_SIZE=2 " + base + tp + " --sequence-parallel --expert-tensor-parallel-size 2 --device cpu");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+}  // namespace
+}  // namespace ptk
