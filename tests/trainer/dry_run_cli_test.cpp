@@ -210,8 +210,8 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
       {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8",
        "usage error: --num-experts without --disable-bias-linear: ptk's MoE layers have no biases"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --tensor-model-parallel-size 2",
-       "usage error: --num-experts 8 with --tensor-model-parallel-size 2: ptk's mixture-of-experts layers run with "
-       "data, expert, pipeline and context parallelism only"},
+       "usage error: --num-experts 8 with --tensor-model-parallel-size 2 needs --sequence-parallel (as Megatron: "
+       "\"When using MoE and tensor parallelism, sequence parallelism must be used.\")"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --expert-model-parallel-size 3",
        "usage error: --num-experts 8 is not divisible by --expert-model-parallel-size 3"},
       {"WORLD_SIZE=6", "--num-attention-heads 32 --num-experts 8 --disable-bias-linear --expert-model-parallel-size 4",

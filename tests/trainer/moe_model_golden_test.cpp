@@ -280,7 +280,10 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   BackendOptions stage;  // pipeline stages hold their layers' experts
   stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
   EXPECT_TRUE(CreateModel(c, stage).ok());
+  EXPECT_TRUE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());  // tensor ranks hold a slice of every expert
+  c.moe_ffn_hidden_size = 9;  // one no tensor size 2 divides
   EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
+  c.moe_ffn_hidden_size = 0;
   EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
   c.add_bias_linear = true;  // the experts have no biases
   EXPECT_FALSE(ParamLayout::Create(c).ok());
