@@ -24,15 +24,16 @@ void AddMtpFlags(CLI::App* app, TrainFlags* f) {
                   "Multi-token prediction: the weight of the depths' mean loss in the gradient (default 0.1)")
       ->check(cli::RealIn(0, true, 1e6, true));
   app->add_flag("--mtp-standalone", m.standalone,
-                "Megatron's multi-token prediction on a pipeline stage of its own: refused (ptk runs one stage)");
+                "Megatron's multi-token prediction on a pipeline stage of its own: refused (ptk runs the depths on "
+                "the last stage)");
 }
 
 absl::Status ResolveMtpFlags(const TrainFlags& f, GPTConfig* model, std::vector<std::string>* notes) {
   const TrainFlags::Mtp& m = f.mtp;
   if (m.standalone)
     return UsageError(
-        "--mtp-standalone: multi-token prediction on a pipeline stage of its own is not implemented (ptk runs "
-        "multi-token prediction without pipeline parallelism)");
+        "--mtp-standalone: multi-token prediction on a pipeline stage of its own is not implemented (ptk runs the "
+        "depths on the last pipeline stage)");
   if (m.num_layers.value_or(0) == 0) {
     if (m.loss_scaling_factor != TrainFlags::Mtp{}.loss_scaling_factor)
       notes->push_back("--mtp-loss-scaling-factor: accepted, no effect without --mtp-num-layers (as Megatron)");
@@ -45,20 +46,32 @@ absl::Status ResolveMtpFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   if (f.mtp.num_layers.value_or(0) == 0) return absl::OkStatus();
-  auto refuse = [](const std::string& what) {
-    return UsageError(fmt::format(
-        "--mtp-num-layers with {}: ptk's multi-token prediction runs on the CPU with data parallelism only for now",
-        what));
+  auto refuse = [](const std::string& what, const std::string& why) {
+    return UsageError(fmt::format("--mtp-num-layers with {}: {}", what, why));
   };
-  if (f.tensor_model_parallel_size > 1)
-    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.pipeline_model_parallel_size > 1)
-    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
-  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+  // Tensor parallelism (eh_proj column-parallel, the depth's layer a tensor-parallel layer) and pipeline
+  // parallelism (the depths on the last stage beside a copy of the word embeddings) run.
+  if (f.pipeline_model_parallel_size > 1 && f.position_embedding_type == "learned_absolute")
+    return refuse(fmt::format("--pipeline-model-parallel-size {} and learned absolute position embeddings",
+                              f.pipeline_model_parallel_size),
+                  "Megatron's last stage then gives the depths position embeddings of their own, neither initialised "
+                  "nor reduced with the first stage's; use --position-embedding-type rope or none");
+  if (f.num_layers_per_virtual_pipeline_stage || f.num_virtual_stages_per_pipeline_rank)
+    return refuse("the interleaved pipeline schedule",
+                  "ptk runs the depths on the last stage of the 1F1B schedule only for now");
+  if (f.context_parallel_size > 1)
+    return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size),
+                  "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "
+                  "exchange)");
+  if (f.options.backend.sequence_parallel)
+    return refuse("--sequence-parallel",
+                  "ptk does not yet gather and scatter the depths' positions over the tensor ranks");
+  const std::string cpu_dp = "ptk's multi-token prediction runs on the CPU without it for now";
   // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
-  if (f.moe.expert_parallel > 1) return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel));
-  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce");
-  if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)");
+  if (f.moe.expert_parallel > 1)
+    return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel), cpu_dp);
+  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce", cpu_dp);
+  if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)", cpu_dp);
   return absl::OkStatus();
 }
 

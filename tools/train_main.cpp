@@ -235,7 +235,9 @@ absl::Status MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLay
   if (pp > 1) {
     PTK_ASSIGN_OR_RETURN(g.pipeline, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kPipeline, rank), "pipeline"));
     const std::vector<int> emb = layout.Group(ptk::ParallelGroup::kEmbedding, rank);
-    if (!options.model.untie_embeddings_and_output_weights && !emb.empty()) {
+    // Tied embeddings, or multi-token prediction's copy of the word embeddings on the last stage.
+    const bool shared = !options.model.untie_embeddings_and_output_weights || options.model.mtp_num_layers > 0;
+    if (shared && !emb.empty()) {
       PTK_ASSIGN_OR_RETURN(g.embedding, g.world->Subgroup(emb, "embedding"));
     }
   }

@@ -268,6 +268,7 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
   deferred_.tokens += l.tokens;
   deferred_.load_balancing_loss += l.load_balancing_loss;
   deferred_.z_loss += l.z_loss;
+  deferred_.AddMtp(l);  // the last stage's multi-token prediction losses
   return LossSum{};
 }
 

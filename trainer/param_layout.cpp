@@ -54,6 +54,67 @@ void TakeSharedExperts(const LayerParams& w, LayerParams* lp, Take& take) {
   lp->shared_fc2 = take(w.shared_fc2);
 }
 
+// One transformer layer's tensors, in Create's order.
+template <typename Take>
+LayerParams TakeLayer(const LayerParams& w, const GPTConfig& cf, int64_t tensor_size, Take& take) {
+  LayerParams lp;
+  for (auto [to, from] : {std::pair{&lp.ln1_w, w.ln1_w},
+                          {&lp.ln1_b, w.ln1_b},
+                          {&lp.qkv_w, w.qkv_w},
+                          {&lp.qkv_b, w.qkv_b},
+                          {&lp.mla_q_proj, w.mla_q_proj},  // MLA's, in Create's order
+                          {&lp.mla_q_down, w.mla_q_down},
+                          {&lp.mla_q_up, w.mla_q_up},
+                          {&lp.mla_kv_down, w.mla_kv_down},
+                          {&lp.mla_kv_up, w.mla_kv_up},
+                          {&lp.mla_q_norm_w, w.mla_q_norm_w},
+                          {&lp.mla_q_norm_b, w.mla_q_norm_b},
+                          {&lp.mla_kv_norm_w, w.mla_kv_norm_w},
+                          {&lp.mla_kv_norm_b, w.mla_kv_norm_b},
+                          {&lp.q_norm_w, w.q_norm_w},
+                          {&lp.q_norm_b, w.q_norm_b},
+                          {&lp.k_norm_w, w.k_norm_w},
+                          {&lp.k_norm_b, w.k_norm_b},
+                          {&lp.proj_w, w.proj_w},
+                          {&lp.proj_b, w.proj_b},
+                          {&lp.ln2_w, w.ln2_w},
+                          {&lp.ln2_b, w.ln2_b},
+                          {&lp.fc1_w, w.fc1_w},
+                          {&lp.fc1_b, w.fc1_b},
+                          {&lp.fc2_w, w.fc2_w},
+                          {&lp.fc2_b, w.fc2_b}})
+    *to = take(from);
+  lp.router_w = take(w.router_w);
+  if (w.experts >= 0) {  // each expert's fc1 and fc2, in order
+    const int64_t ef = cf.expert_floats() / tensor_size, f1 = ef - cf.hidden_size * cf.moe_ffn() / tensor_size;
+    for (int64_t j = 0; j < cf.num_experts; ++j) {
+      const int64_t at = take(w.experts + j * ef);
+      if (j == 0) lp.experts = at;
+      take(w.experts + j * ef + f1);
+    }
+  }
+  TakeSharedExperts(w, &lp, take);
+  return lp;
+}
+
+// The multi-token prediction depths' tensors (Create's order), on the last pipeline stage (megatron-core's
+// mtp_on_this_rank without a custom layout).
+template <typename Take, typename Layer>
+void TakeMtpDepths(const ParamLayout& whole, Take& take, Layer& take_layer, ParamLayout* s) {
+  for (const MtpLayerParams& w : whole.mtp) {
+    MtpLayerParams mp;
+    mp.enorm_w = take(w.enorm_w);
+    mp.enorm_b = take(w.enorm_b);
+    mp.hnorm_w = take(w.hnorm_w);
+    mp.hnorm_b = take(w.hnorm_b);
+    mp.eh_proj = take(w.eh_proj);
+    mp.layer = take_layer(w.layer);
+    mp.norm_w = take(w.norm_w);
+    mp.norm_b = take(w.norm_b);
+    s->mtp.push_back(mp);
+  }
+}
+
 // A pipeline stage's tensors taken from the whole model's, in its order, at new offsets.
 absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineStage& stage) {
   const int64_t L = whole.config.num_layers, n = stage.num_layers < 0 ? L : stage.num_layers;
@@ -100,56 +161,23 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
     s.wte = take(whole.wte);
     s.wpe = take(whole.wpe);
   }
+  auto take_layer = [&](const LayerParams& w) { return TakeLayer(w, whole.config, whole.tensor_size, take); };
   for (int64_t i = 0; i < n; ++i) {
     const int64_t l = s.chunk_first_layer[static_cast<size_t>(i / per_chunk)] + i % per_chunk;
-    const LayerParams& w = whole.layers[static_cast<size_t>(l)];
-    LayerParams lp;
-    for (auto [to, from] : {std::pair{&lp.ln1_w, w.ln1_w},
-                            {&lp.ln1_b, w.ln1_b},
-                            {&lp.qkv_w, w.qkv_w},
-                            {&lp.qkv_b, w.qkv_b},
-                            {&lp.mla_q_proj, w.mla_q_proj},  // MLA's, in Create's order
-                            {&lp.mla_q_down, w.mla_q_down},
-                            {&lp.mla_q_up, w.mla_q_up},
-                            {&lp.mla_kv_down, w.mla_kv_down},
-                            {&lp.mla_kv_up, w.mla_kv_up},
-                            {&lp.mla_q_norm_w, w.mla_q_norm_w},
-                            {&lp.mla_q_norm_b, w.mla_q_norm_b},
-                            {&lp.mla_kv_norm_w, w.mla_kv_norm_w},
-                            {&lp.mla_kv_norm_b, w.mla_kv_norm_b},
-                            {&lp.q_norm_w, w.q_norm_w},
-                            {&lp.q_norm_b, w.q_norm_b},
-                            {&lp.k_norm_w, w.k_norm_w},
-                            {&lp.k_norm_b, w.k_norm_b},
-                            {&lp.proj_w, w.proj_w},
-                            {&lp.proj_b, w.proj_b},
-                            {&lp.ln2_w, w.ln2_w},
-                            {&lp.ln2_b, w.ln2_b},
-                            {&lp.fc1_w, w.fc1_w},
-                            {&lp.fc1_b, w.fc1_b},
-                            {&lp.fc2_w, w.fc2_w},
-                            {&lp.fc2_b, w.fc2_b}})
-      *to = take(from);
-    lp.router_w = take(w.router_w);
-    if (w.experts >= 0) {  // each expert's fc1 and fc2, in order
-      const int64_t ef = whole.config.expert_floats() / whole.tensor_size,
-                    f1 = ef - whole.config.hidden_size * whole.config.moe_ffn() / whole.tensor_size;
-      for (int64_t j = 0; j < whole.config.num_experts; ++j) {
-        const int64_t at = take(w.experts + j * ef);
-        if (j == 0) lp.experts = at;
-        take(w.experts + j * ef + f1);
-      }
-    }
-    TakeSharedExperts(w, &lp, take);
-    s.layers.push_back(lp);
+    s.layers.push_back(take_layer(whole.layers[static_cast<size_t>(l)]));
   }
   if (s.post_process) {
     s.lnf_w = take(whole.lnf_w);
     s.lnf_b = take(whole.lnf_b);
+    TakeMtpDepths(whole, take, take_layer, &s);
     if (whole.config.untie_embeddings_and_output_weights)
       s.out_w = take(whole.out_w);
     else
       s.out_w = s.pre_process ? s.wte : take(whole.wte, /*copy=*/true);  // last: the copy ends the buffer
+    // Multi-token prediction embeds on the last stage: with tied weights the output layer's copy, else a copy of
+    // its own (Megatron's shared embedding on the MTP stage, its gradient summed over the embedding group).
+    if (!whole.mtp.empty() && !s.pre_process)
+      s.wte = whole.config.untie_embeddings_and_output_weights ? take(whole.wte, /*copy=*/true) : s.out_w;
   }
   s.num_params = offset;
   return s;
@@ -237,10 +265,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
     return CutExperts(all, expert_size, expert_rank);
   }
-  if (config.mtp_num_layers > 0 && (stage.size != 1 || stage.virtual_size != 1 || tensor_size > 1))
-    return absl::InvalidArgumentError(fmt::format(
-        "mtp_num_layers with {} tensor ranks and {} pipeline stages: multi-token prediction runs on one of each",
-        tensor_size, stage.size));
+  PTK_RETURN_IF_ERROR(ValidateMtpParallelism(config, tensor_size, stage.size, stage.virtual_size));
   if (stage.size != 1 || stage.virtual_size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
     PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
     return CutStage(whole, stage);
@@ -350,7 +375,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     MtpLayerParams mp;
     mtp_norm(q + "enorm.", &mp.enorm_w, &mp.enorm_b);
     mtp_norm(q + "hnorm.", &mp.hnorm_w, &mp.hnorm_b);
-    mp.eh_proj = add(q + "eh_proj.weight", {c, 2 * c}, std);
+    mp.eh_proj = add(q + "eh_proj.weight", {c / T, 2 * c}, std, 0.0f, 0);  // column-parallel: its output rows
     m.mtp.push_back(mp);
     return q + "transformer_layer.";
   };

@@ -296,7 +296,7 @@ struct ParamLayout {
   GPTConfig config;
   std::vector<ParamInfo> infos;
   std::vector<LayerParams> layers;
-  std::vector<MtpLayerParams> mtp;                 // GPTConfig::mtp_num_layers of them (one stage, one tensor rank)
+  std::vector<MtpLayerParams> mtp;                 // GPTConfig::mtp_num_layers of them (on the last stage only)
   int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;  // wpe -1 without learned positions, lnf_b -1 under RMSNorm
   int64_t out_w = 0;                               // == wte when the output layer is tied to the embedding
   int64_t num_params = 0;
@@ -305,7 +305,8 @@ struct ParamLayout {
   // Its pipeline stage: `layers` are the global layers first_layer, first_layer + 1, ...; the
   // embeddings (wte, wpe) only with pre_process (-1 otherwise), the final norm and output layer
   // only with post_process (-1 otherwise; out_w the embedding copy on a last stage with tied
-  // embeddings). whole_index[k]: infos[k]'s index among the whole model's (one stage) infos.
+  // embeddings; with multi-token prediction wte that copy too, or untied a copy of its own). whole_index[k]: infos[k]'s
+  // index among the whole model's (one stage) infos.
   int pipeline_size = 1, pipeline_rank = 0;
   int64_t first_layer = 0;
   bool pre_process = true, post_process = true;

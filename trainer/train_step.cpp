@@ -92,7 +92,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   GradRange tied;
   if (embedding_) {
     const ParamLayout& lay = model_->layout();
-    const int64_t at = lay.pre_process ? lay.wte : lay.out_w;
+    const int64_t at = lay.wte >= 0 ? lay.wte : lay.out_w;  // multi-token prediction's: the last stage's wte
     tied = {at, at + lay.config.padded_vocab_size / lay.tensor_size * lay.config.hidden_size};
   }
   bool armed = false;  // --overlap-grad-reduce over stages: armed by the schedule's last backward
@@ -134,9 +134,13 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   if (const GPTConfig& cf = model_->config(); cf.moe() && cf.moe_z_loss_coeff > 0)
     r.z_loss = local[3] /
                (static_cast<double>(micro_batches.size()) * static_cast<double>(cf.moe_layers() + cf.mtp_num_layers));
-  if (!losses.mtp_losses.empty()) {  // MTPLossLoggingHelper: averaged over the data ranks, then the micro-batches
+  if (const int64_t N = model_->config().mtp_num_layers; N > 0) {
+    // MTPLossLoggingHelper: averaged over the data ranks, then the micro-batches; over pipeline stages the last
+    // stage's (the others add zeros).
     r.mtp_losses = losses.mtp_losses;
-    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(r.mtp_losses.data(), static_cast<int64_t>(r.mtp_losses.size())));
+    r.mtp_losses.resize(static_cast<size_t>(N), 0.0);
+    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(r.mtp_losses.data(), N));
+    if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(r.mtp_losses.data(), N));
     for (double& v : r.mtp_losses) v /= static_cast<double>(micro_batches.size()) * comm_->size();
   }
   PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
@@ -154,8 +158,13 @@ absl::StatusOr<LossSum> TrainStep::ForwardBackwardPipelined(const std::vector<Mo
   // The MoE layers' load-balancing loss scale, read by each backward: the same for every micro-batch of a step
   // (the loss scale over the micro-batches and ranks, or with --calculate-per-token-loss the micro-batch's
   // b x t tokens, all alike, over the global batch's loss tokens), so set once for the schedule.
-  if (!micro_batches.empty())
-    model_->SetMoeAuxLossScale(MoeAuxLossScale(micro_batches[0], scale_of[0], loss_scale, micro_batches.size()));
+  if (!micro_batches.empty()) {
+    const double aux = MoeAuxLossScale(micro_batches[0], scale_of[0], loss_scale, micro_batches.size());
+    model_->SetMoeAuxLossScale(aux);
+    // The multi-token prediction depths' scale (MTPLossAutoScaler's): as ForwardBackwardMicroBatches sets it.
+    model_->SetMtpLossScale(config_.calculate_per_token_loss ? scale_of[0] * loss_scale : aux,
+                            config_.calculate_per_token_loss);
+  }
   std::function<absl::Status()> arm;
   if (!buckets_.empty())
     arm = [&]() -> absl::Status {
@@ -309,7 +318,9 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
   }
   // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
   // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
-  if (!pipeline_ || model_->config().untie_embeddings_and_output_weights) return absl::OkStatus();
+  // Multi-token prediction keeps a copy of the word embeddings on the last stage, tied or not.
+  if (!pipeline_ || (model_->config().untie_embeddings_and_output_weights && model_->config().mtp_num_layers == 0))
+    return absl::OkStatus();
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "embedding-grads-all-reduce", 1));
   if (embedding_) {
     // ZeRO-1: the shards of the first and the last stage cut their copies at different places

@@ -87,6 +87,30 @@ TEST(MemoryEstimate, PipelineStagesKeepTheirMicroBatchesInFlight) {
   EXPECT_EQ(a->checkpoint_copies, 0);
 }
 
+// Multi-token prediction: the depths' buffers (each a one-layer pass and its own vectors) counted on the stage that
+// holds them, the last, and not on the first.
+TEST(MemoryEstimate, MultiTokenPredictionCountsTheDepthsOnTheLastStage) {
+  GPTConfig c = Gpt3();
+  c.position_embedding = PositionEmbedding::kRope;
+  GPTConfig mtp = c;
+  mtp.mtp_num_layers = 2;
+  PipelineStage first{.size = 2, .rank = 0, .first_layer = 0, .num_layers = 2};
+  PipelineStage last{.size = 2, .rank = 1, .first_layer = 2, .num_layers = 1};
+  auto a = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 8, false);
+  auto b = EstimateCpuTrainingMemory(c, 1, 0, false, last, 2, 8, false);
+  auto ma = EstimateCpuTrainingMemory(mtp, 1, 0, false, first, 2, 8, false);
+  auto mb = EstimateCpuTrainingMemory(mtp, 1, 0, false, last, 2, 8, false);
+  ASSERT_TRUE(a.ok() && b.ok() && ma.ok() && mb.ok());
+  EXPECT_EQ(ma->activations, a->activations);
+  auto layout = ParamLayout::Create(mtp, 1, 0, last);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const int64_t depths = CpuGPTModel::PlanMtpActivationFloats(*layout, 2);
+  const int64_t n = 2 * c.seq_length, h = c.hidden_size;
+  EXPECT_GT(depths, 2 * 9 * n * h);  // at least each depth's own vectors
+  EXPECT_EQ(mb->activations, b->activations + 4.0 * static_cast<double>(depths));
+  EXPECT_EQ(mb->params, layout->num_params);
+}
+
 // With model chunks, Megatron's interleaved warm-up plus one, (P - p - 1) x 2 + (V - 1) x N + 1 virtual
 // micro-batches: N the micro-batch group (--microbatch-group-size-per-virtual-pipeline-stage, by
 // default P), at most V x M.

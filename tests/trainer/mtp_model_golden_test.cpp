@@ -154,8 +154,17 @@ TEST(MtpModel, OtherBackendsAndLayoutsAreRefused) {
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
   BackendOptions stage;
   stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
-  EXPECT_FALSE(CreateModel(c, stage).ok());
-  EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
+  EXPECT_FALSE(CreateModel(c, stage).ok());                        // learned absolute positions over stages
+  EXPECT_TRUE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());  // tensor parallelism: mtp_parallel_cli_test
+  GPTConfig rope = c;
+  rope.position_embedding = PositionEmbedding::kRope;
+  auto first = ParamLayout::Create(rope, 1, 0, PipelineStage{2, 0, 0, 1}),
+       last = ParamLayout::Create(rope, 1, 0, PipelineStage{2, 1, 1, 1});
+  ASSERT_TRUE(first.ok() && last.ok()) << first.status() << last.status();
+  EXPECT_TRUE(first->mtp.empty());  // the depths on the last stage, beside a copy of the word embeddings
+  ASSERT_EQ(last->mtp.size(), 1u);
+  EXPECT_EQ(last->wte, last->out_w);
+  EXPECT_FALSE(ParamLayout::Create(rope, 1, 0, PipelineStage{2, 0, 0, 1, 2}).ok());  // the interleaved schedule
   GPTConfig moe = c;
   moe.add_bias_linear = false;
   moe.num_experts = 2;

@@ -197,15 +197,20 @@ TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {mtp + " --mtp-standalone", "usage error: --mtp-standalone: multi-token prediction on a pipeline stage"},
       {" --mtp-standalone", "usage error: --mtp-standalone"},
-      {mtp + " --tensor-model-parallel-size 2", with + "--tensor-model-parallel-size 2: ptk's multi-token"},
-      {mtp + " --pipeline-model-parallel-size 2", with + "--pipeline-model-parallel-size 2"},
-      {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2"},
+      // Tensor and pipeline parallelism run (mtp_parallel_cli_test); what they do not run with is refused.
+      {mtp + " --pipeline-model-parallel-size 2",
+       with + "--pipeline-model-parallel-size 2 and learned absolute position embeddings: Megatron's last stage"},
+      {mtp +
+           " --position-embedding-type rope --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+       with + "the interleaved pipeline schedule"},
+      {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk does not yet roll"},
+      {mtp + " --tensor-model-parallel-size 2 --sequence-parallel", with + "--sequence-parallel"},
       {mtp + " --num-experts 2 --disable-bias-linear --expert-model-parallel-size 2",
        with + "--expert-model-parallel-size 2"},
       {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},
       {mtp + " --device cuda", with + "--device cuda"},
       {mtp + " --dry-run --bf16", with + "--device cuda"},
-      {mtp + " --dry-run --tensor-model-parallel-size 2", with + "--tensor-model-parallel-size 2"},
+      {mtp + " --dry-run --context-parallel-size 2", with + "--context-parallel-size 2"},
       {" --mtp-num-layers -1", "usage error: --mtp-num-layers"},
       {mtp + " --mtp-loss-scaling-factor -1", "usage error: --mtp-loss-scaling-factor"},
   };

@@ -57,6 +57,10 @@ class CpuGPTModel final : public GPTModel {
   // With `context` ranks: one context rank's, its batches' seq_length / context rows of a sample.
   static int64_t PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size,
                                       int context = 1);
+  // The multi-token prediction depths' buffers (mtp_cpu.cpp) on a layout that holds them (the last stage's): each
+  // depth's one-layer pass and its own vectors, kept once beside the slots (a depth's forward and backward run
+  // together), and the decoder output's kept gradient. 0 without depths.
+  static int64_t PlanMtpActivationFloats(const ParamLayout& layout, int64_t micro_batch_size);
 
   Device device() const override { return Device::kCpu; }
   Precision precision() const override { return Precision::kFp32; }
@@ -198,6 +202,14 @@ class CpuGPTModel final : public GPTModel {
   absl::Status MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s);
   absl::Status MtpForward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s);
   absl::Status MtpBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  // A last pipeline stage's depths after micro-batch `slot`'s loss: the decoder output's gradient kept for the
+  // slot's StageBackward (MtpSlotGrad; null without depths or on another stage).
+  absl::Status MtpStageForwardBackward(const ModelBatch& batch, int slot, bool train, uint64_t seed, LossSum* s);
+  const float* MtpSlotGrad(int slot) const;
+  // Tensor parallelism: the depth's vocabulary-parallel embedding and column-parallel eh_proj (its output gathered).
+  absl::Status MtpEmbed(float* out, const int32_t* tokens, const int32_t* positions, int64_t n);
+  absl::Status MtpProjForward(int64_t k, int64_t n);  // depth k's
+  absl::Status MtpProjBackward(int64_t k, int64_t n);
   std::shared_ptr<MtpState> mtp_;
   bool mtp_pass_ = false;
   const float* dlnf_extra_ = nullptr;

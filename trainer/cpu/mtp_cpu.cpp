@@ -17,6 +17,7 @@
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/cpu/tensor_parallel_cpu.h"
 
 namespace ptk {
 
@@ -30,9 +31,13 @@ struct CpuGPTModel::MtpState {
     Activations act;
     std::vector<int32_t> tokens, positions, labels;
     std::vector<float> mask, emb, en, en_mean, en_rstd, hn, hn_mean, hn_rstd, x, dx, demb, dh;
+    std::vector<float> proj, whole;  // tensor parallelism: this rank's eh_proj columns, and all ranks' gathered
     double tokens_count = 0;
   };
   std::vector<Depth> depths;
+  // Pipeline parallelism: per activation slot the decoder output's gradient from the first depth, which the
+  // slot's StageBackward adds to the final norm's output gradient.
+  std::vector<std::vector<float>> slot_dh;
 };
 
 namespace {
@@ -52,6 +57,26 @@ void EmbeddingDropout(float* x, const ModelBatch& batch, int64_t c, double p, ui
     cpu::Dropout(
         x + r * batch.t * c, batch.t * c, p, seed,
         DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]), static_cast<uint64_t>(layer), kEmbeddingDropout));
+}
+// Depth k's transformer layer as layer 0 of a one-layer layout, its final_layernorm as the final norm, the model's
+// embeddings and output layer (a tensor-parallel layer under tensor parallelism, as the decoder's).
+ParamLayout DepthLayout(const ParamLayout& m, int64_t k) {
+  const MtpLayerParams& mp = m.mtp[static_cast<size_t>(k)];
+  const int64_t L = m.config.num_layers;
+  ParamLayout d;
+  d.config = m.config;
+  d.layers = {mp.layer};
+  d.wte = m.wte;
+  d.wpe = m.wpe;
+  d.lnf_w = mp.norm_w;
+  d.lnf_b = mp.norm_b;
+  d.out_w = m.out_w;
+  d.num_params = m.num_params;
+  d.tensor_size = m.tensor_size;
+  d.tensor_rank = m.tensor_rank;
+  d.first_layer = L + 1 + k;  // the dropout keys: past the decoder's layers and its embedding's key L
+  d.chunk_first_layer = {L + 1 + k};
+  return d;
 }
 }  // namespace
 
@@ -79,8 +104,83 @@ class CpuGPTModel::MtpSwap {
 
 absl::Status CpuGPTModel::MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
   if (cp()) return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
+  if (sequence_parallel_)
+    return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs without sequence parallelism");
   PTK_RETURN_IF_ERROR(MtpForward(batch, train, seed, s));
   return MtpBackward(batch, train, seed);
+}
+
+absl::Status CpuGPTModel::MtpStageForwardBackward(const ModelBatch& batch, int slot, bool train, uint64_t seed,
+                                                  LossSum* s) {
+  PTK_RETURN_IF_ERROR(MtpForwardBackward(batch, train, seed, s));
+  std::vector<std::vector<float>>& kept = mtp_->slot_dh;
+  if (kept.size() <= static_cast<size_t>(slot)) kept.resize(static_cast<size_t>(slot) + 1);
+  kept[static_cast<size_t>(slot)].assign(dlnf_extra_, dlnf_extra_ + batch.b * batch.t * config().hidden_size);
+  dlnf_extra_ = nullptr;
+  return absl::OkStatus();
+}
+
+const float* CpuGPTModel::MtpSlotGrad(int slot) const {
+  if (!mtp_ || !chunk_post_process() || static_cast<size_t>(slot) >= mtp_->slot_dh.size()) return nullptr;
+  const std::vector<float>& g = mtp_->slot_dh[static_cast<size_t>(slot)];
+  return g.empty() ? nullptr : g.data();
+}
+
+// The depth's embedding: under tensor parallelism vocabulary-parallel (each rank its rows, summed), as the decoder's.
+absl::Status CpuGPTModel::MtpEmbed(float* out, const int32_t* tokens, const int32_t* positions, int64_t n) {
+  const int64_t c = config().hidden_size;
+  const float* P = params_.data();
+  if (!tp()) {
+    cpu::EmbeddingForward(out, tokens, positions, P + layout_.wte, At(P, layout_.wpe), n, c);
+    return absl::OkStatus();
+  }
+  const int64_t vt = config().padded_vocab_size / tensor_size();
+  cpu::VocabSliceEmbeddingForward(out, tokens, P + layout_.wte, tensor_rank() * vt, vt, n, c);
+  PTK_RETURN_IF_ERROR(TensorSum(out, n * c));
+  for (int64_t i = 0; i < n && layout_.wpe >= 0; ++i) {
+    const float* pos = P + layout_.wpe + static_cast<int64_t>(positions[i]) * c;
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] += pos[j];
+  }
+  return absl::OkStatus();
+}
+
+// eh_proj, a column-parallel linear (gather_output false) whose output megatron-core's MultiTokenPredictionLayer
+// gathers (gather_from_tensor_model_parallel_region): this rank's h / T output columns, all ranks' gathered.
+absl::Status CpuGPTModel::MtpProjForward(int64_t k, int64_t n) {
+  MtpState::Depth* d = &mtp_->depths[static_cast<size_t>(k)];
+  const int64_t c = config().hidden_size, w = layout_.mtp[static_cast<size_t>(k)].eh_proj;
+  const float* P = params_.data();
+  if (!tp()) {
+    cpu::MatmulForward(d->act.resid[0].data(), d->x.data(), P + w, static_cast<const float*>(nullptr), n, 2 * c, c);
+    return absl::OkStatus();
+  }
+  const int64_t ct = c / tensor_size();
+  d->proj.assign(static_cast<size_t>(n * ct), 0.0f);
+  cpu::MatmulForward(d->proj.data(), d->x.data(), P + w, static_cast<const float*>(nullptr), n, 2 * c, ct);
+  PTK_RETURN_IF_ERROR(cpu::GatherVocabParallelLogits(d->proj.data(), n, ct, tensor_comm_, &d->whole));
+  std::copy(d->whole.begin(), d->whole.end(), d->act.resid[0].begin());
+  return absl::OkStatus();
+}
+
+// Backward: the gather's gradient is this rank's columns (split, no sum); the input's gradient, each rank's share
+// through its rows of eh_proj, summed over the group (the column-parallel input's all-reduce).
+absl::Status CpuGPTModel::MtpProjBackward(int64_t k, int64_t n) {
+  MtpState::Depth* d = &mtp_->depths[static_cast<size_t>(k)];
+  const int64_t c = config().hidden_size, w = layout_.mtp[static_cast<size_t>(k)].eh_proj;
+  const float* P = params_.data();
+  float* G = grads_.data();
+  std::fill(d->dx.begin(), d->dx.end(), 0.0f);
+  if (!tp()) {
+    cpu::MatmulBackward(d->dx.data(), G + w, static_cast<float*>(nullptr), d->act.dresid.data(), d->x.data(), P + w, n,
+                        2 * c, c);
+    return absl::OkStatus();
+  }
+  const int64_t ct = c / tensor_size(), j0 = tensor_rank() * ct;
+  d->proj.resize(static_cast<size_t>(n * ct));
+  for (int64_t i = 0; i < n; ++i) std::copy_n(d->act.dresid.begin() + i * c + j0, ct, d->proj.begin() + i * ct);
+  cpu::MatmulBackward(d->dx.data(), G + w, static_cast<float*>(nullptr), d->proj.data(), d->x.data(), P + w, n, 2 * c,
+                      ct);
+  return TensorSum(d->dx.data(), 2 * n * c);
 }
 
 absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
@@ -90,20 +190,7 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
   if (!mtp_) mtp_ = std::make_shared<MtpState>();
   if (mtp_->depths.size() != static_cast<size_t>(N)) {
     mtp_->depths.assign(static_cast<size_t>(N), {});
-    for (int64_t k = 0; k < N; ++k) {
-      MtpState::Depth& d = mtp_->depths[static_cast<size_t>(k)];
-      const MtpLayerParams& mp = layout_.mtp[static_cast<size_t>(k)];
-      d.layout.config = cf;
-      d.layout.layers = {mp.layer};
-      d.layout.wte = layout_.wte;
-      d.layout.wpe = layout_.wpe;
-      d.layout.lnf_w = mp.norm_w;
-      d.layout.lnf_b = mp.norm_b;
-      d.layout.out_w = layout_.out_w;
-      d.layout.num_params = layout_.num_params;
-      d.layout.first_layer = L + 1 + k;  // the dropout keys: past the decoder's layers and its embedding's key L
-      d.layout.chunk_first_layer = {L + 1 + k};
-    }
+    for (int64_t k = 0; k < N; ++k) mtp_->depths[static_cast<size_t>(k)].layout = DepthLayout(layout_, k);
   }
   const float* P = params_.data();
   Activations& main = *act_;
@@ -133,7 +220,7 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
     d.act.rope_sin = main.rope_sin;
     d.act.mla_cos = main.mla_cos;  // multi-latent attention's rotary tables (PrepareMla's, the batch's length)
     d.act.mla_sin = main.mla_sin;
-    cpu::EmbeddingForward(d.emb.data(), tokens, positions, P + layout_.wte, At(P, layout_.wpe), n, c);
+    PTK_RETURN_IF_ERROR(MtpEmbed(d.emb.data(), tokens, positions, n));
     EmbeddingDropout(d.emb.data(), batch, c, p, seed, L + 1 + k);
     NormForward(cf, d.en.data(), d.en_mean.data(), d.en_rstd.data(), d.emb.data(), P, mp.enorm_w, mp.enorm_b, n, c);
     NormForward(cf, d.hn.data(), d.hn_mean.data(), d.hn_rstd.data(), hin, P, mp.hnorm_w, mp.hnorm_b, n, c);
@@ -141,8 +228,7 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
       std::copy(d.en.begin() + i * c, d.en.begin() + (i + 1) * c, d.x.begin() + 2 * i * c);
       std::copy(d.hn.begin() + i * c, d.hn.begin() + (i + 1) * c, d.x.begin() + (2 * i + 1) * c);
     }
-    cpu::MatmulForward(d.act.resid[0].data(), d.x.data(), P + mp.eh_proj, static_cast<const float*>(nullptr), n, 2 * c,
-                       c);
+    PTK_RETURN_IF_ERROR(MtpProjForward(k, n));
     ModelBatch bk = batch;
     bk.tokens = tokens, bk.position_ids = positions, bk.labels = labels, bk.loss_mask = mask;
     d.tokens_count = 0;
@@ -166,6 +252,7 @@ absl::Status CpuGPTModel::MtpForward(const ModelBatch& batch, bool train, uint64
 absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const int64_t N = cf.mtp_num_layers, L = cf.num_layers, n = batch.b * batch.t, c = cf.hidden_size;
+  const int64_t vt = cf.padded_vocab_size / tensor_size();
   const double p = train ? cf.hidden_dropout : 0.0;
   const float* P = params_.data();
   float* G = grads_.data();
@@ -182,9 +269,7 @@ absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint6
       PTK_RETURN_IF_ERROR(RunBackward(bk, train, seed));
     }
     dlnf_extra_ = nullptr;
-    std::fill(d.dx.begin(), d.dx.end(), 0.0f);
-    cpu::MatmulBackward(d.dx.data(), G + mp.eh_proj, static_cast<float*>(nullptr), d.act.dresid.data(), d.x.data(),
-                        P + mp.eh_proj, n, 2 * c, c);
+    PTK_RETURN_IF_ERROR(MtpProjBackward(k, n));
     for (int64_t i = 0; i < n; ++i) {  // dx's halves: the normalised embedding's and hidden states' gradients
       std::copy(d.dx.begin() + 2 * i * c, d.dx.begin() + (2 * i + 1) * c, d.en.begin() + i * c);
       std::copy(d.dx.begin() + (2 * i + 1) * c, d.dx.begin() + (2 * i + 2) * c, d.hn.begin() + i * c);
@@ -193,7 +278,11 @@ absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint6
     NormBackward(cf, d.demb.data(), G, d.en.data(), d.emb.data(), P, mp.enorm_w, mp.enorm_b, d.en_mean.data(),
                  d.en_rstd.data(), n, c);
     EmbeddingDropout(d.demb.data(), batch, c, p, seed, L + 1 + k);
-    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), d.demb.data(), bk.tokens, bk.position_ids, n, c);
+    if (!tp())
+      cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), d.demb.data(), bk.tokens, bk.position_ids, n, c);
+    else
+      cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), d.demb.data(), bk.tokens, bk.position_ids,
+                                       tensor_rank() * vt, vt, n, c);
     const float* h = k == 0 ? main.lnf.data() : mtp_->depths[static_cast<size_t>(k - 1)].act.lnf.data();
     std::fill(d.dh.begin(), d.dh.end(), 0.0f);
     NormBackward(cf, d.dh.data(), G, d.hn.data(), h, P, mp.hnorm_w, mp.hnorm_b, d.hn_mean.data(), d.hn_rstd.data(), n,
@@ -201,6 +290,18 @@ absl::Status CpuGPTModel::MtpBackward(const ModelBatch& batch, bool train, uint6
   }
   dlnf_extra_ = mtp_->depths[0].dh.data();  // the decoder's output: its gradient from the first depth's hnorm
   return absl::OkStatus();
+}
+
+int64_t CpuGPTModel::PlanMtpActivationFloats(const ParamLayout& layout, int64_t micro_batch_size) {
+  const int64_t b = micro_batch_size, t = layout.config.seq_length, n = b * t, c = layout.config.hidden_size;
+  int64_t floats = 0;
+  for (size_t k = 0; k < layout.mtp.size(); ++k) {
+    floats += SizeActivations(DepthLayout(layout, static_cast<int64_t>(k)), 0, false, b, t, 1, nullptr);
+    // emb, en, hn, demb, dh; x, dx; the norms' statistics; tokens, positions, labels and mask (4 bytes each);
+    // under tensor parallelism eh_proj's columns and their gathered whole.
+    floats += 5 * n * c + 4 * n * c + 4 * n + 4 * n + (layout.tensor_size > 1 ? n * c / layout.tensor_size + n * c : 0);
+  }
+  return floats + (layout.mtp.empty() ? 0 : n * c);  // the kept gradient of the decoder's output
 }
 
 }  // namespace ptk

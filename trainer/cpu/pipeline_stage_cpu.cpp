@@ -68,8 +68,11 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * *loss_scale);
   PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
-  s.load_balancing_loss = aux.load_balancing_loss;
-  s.z_loss = aux.z_loss;
+  // Multi-token prediction on the last stage (megatron-core's default placement): the depths' forward and
+  // backward now, the decoder output's gradient kept for the slot's StageBackward.
+  if (config().mtp_num_layers > 0) PTK_RETURN_IF_ERROR(MtpStageForwardBackward(batch, slot, train, seed, &s));
+  s.load_balancing_loss = moe_aux_sum_;  // the depths' MoE layers' too
+  s.z_loss = moe_z_sum_;
   return s;
 }
 
@@ -87,7 +90,10 @@ absl::Status CpuGPTModel::StageBackward(const ModelBatch& batch, int slot, std::
       CheckActivation("StageBackward output gradient", output_grad.size(), chunk_post_process() ? 0 : nc));
   PTK_RETURN_IF_ERROR(CheckActivation("StageBackward input gradient", input_grad.size(), chunk_pre_process() ? 0 : nc));
   if (!chunk_post_process()) std::copy(output_grad.begin(), output_grad.end(), a.dresid.begin());
-  PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
+  dlnf_extra_ = MtpSlotGrad(slot);
+  const absl::Status backward = RunBackward(batch, train, seed);
+  dlnf_extra_ = nullptr;
+  PTK_RETURN_IF_ERROR(backward);
   if (!chunk_pre_process()) std::copy(a.dresid.begin(), a.dresid.end(), input_grad.begin());
   return absl::OkStatus();
 }

@@ -1,0 +1,137 @@
+// ptk-train's multi-token prediction (--mtp-num-layers, CPU) with model parallelism, as megatron-core 0.16 runs it:
+// two tensor ranks (eh_proj column-parallel, its output gathered; the depth's layer a tensor-parallel layer; the
+// embedding vocabulary-parallel) and two pipeline stages (the depths on the last stage beside a copy of the word
+// embeddings, tied or not, its gradient summed with the first stage's) train as one rank does: the lm loss and each
+// depth's mtp_K loss within 1e-5 relative over 6 iterations (the only difference is fp32 sums over the ranks in
+// another order: one rank's products split into partial sums, the vocabulary's softmax over two slices). A run
+// stopped and resumed at the same size continues bit for bit (dropout on), the depths' tensors in the last stage's
+// mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01.
+#include <cmath>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+// Each log line's losses: the lm loss, then mtp_1, mtp_2, ... (in the line's order).
+std::vector<std::vector<double>> LineLosses(const std::string& out) {
+  std::vector<std::vector<double>> all;
+  for (const std::string& line : testing::LogLinesWithoutTimes(out)) {
+    std::vector<double> v;
+    const std::regex loss(R"((lm|mtp_\d+) loss: (\S+) \|)");
+    for (auto it = std::sregex_iterator(line.begin(), line.end(), loss); it != std::sregex_iterator(); ++it)
+      v.push_back(std::stod((*it)[2].str()));
+    all.push_back(v);
+  }
+  return all;
+}
+
+double WorstRelative(const std::vector<std::vector<double>>& a, const std::vector<std::vector<double>>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    for (size_t k = 0; k < a[i].size() && k < b[i].size(); ++k)
+      worst = std::max(worst, std::abs(a[i][k] - b[i][k]) / std::abs(b[i][k]));
+  return worst;
+}
+
+class MtpParallelCli : public testing::RanksTest {
+ protected:
+  MtpParallelCli() : RanksTest(testing::kSmallVocabEod) {}
+  // Rotary positions: over pipeline stages Megatron's depths would have position embeddings of their own (refused).
+  std::string Train(const std::string& extra, int64_t iters = 6) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --position-embedding-type rope --mtp-num-layers 2 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + " " + extra;
+  }
+  // `world` ranks of `parallel` against one rank: every log line's lm and mtp_K losses.
+  void TrainsAsOneRank(int world, const std::string& parallel, const std::string& extra = "") {
+    auto one = RunCmd(Train(extra));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    auto r = Ranks(world, Train(parallel + " " + extra));
+    ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+    const auto want = LineLosses(one.output), got = LineLosses(r.output);
+    ASSERT_EQ(want.size(), 6u) << one.output;
+    ASSERT_EQ(got.size(), 6u) << r.output;
+    for (const auto& v : got) ASSERT_EQ(v.size(), 3u) << r.output;  // lm, mtp_1, mtp_2
+    const double worst = WorstRelative(got, want);
+    EXPECT_LT(worst, 1e-5) << parallel << " " << extra;
+    std::printf("%s %s: largest relative difference of the lm and mtp losses from one rank's: %.3g\n", parallel.c_str(),
+                extra.c_str(), worst);
+  }
+  // Stopped at iteration 3 and resumed by as many ranks: the uninterrupted run's last 3 lines, character for
+  // character. Returns the checkpoint's iteration-3 directory.
+  std::string ResumesBitForBit(int world, const std::string& parallel) {
+    auto whole = Ranks(world, Train(parallel + " --save " + ShellQuote(dir_ / "full")));
+    EXPECT_NE(whole.output.find(AllZero(world)), std::string::npos) << whole.output << Logs(world);
+    auto first = Ranks(world, Train(parallel + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+    EXPECT_NE(first.output.find(AllZero(world)), std::string::npos) << first.output << Logs(world);
+    auto resumed = Ranks(world, Train(parallel + " --load " + ShellQuote(dir_ / "ck")));
+    EXPECT_NE(resumed.output.find(AllZero(world)), std::string::npos) << resumed.output << Logs(world);
+    const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
+    EXPECT_EQ(a.size(), 6u) << whole.output;
+    EXPECT_EQ(b.size(), 3u) << resumed.output;
+    if (a.size() == 6u) {
+      EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+    }
+    if (!b.empty()) {
+      EXPECT_NE(b[0].find(" mtp_2 loss: "), std::string::npos) << b[0];
+    }
+    return CheckpointDir(dir_ / "ck", 3);
+  }
+  static std::string Header(const std::string& dir, const std::string& rank) {
+    auto h = ReadCheckpointHeaderText(dir + "/" + rank + "/model_optim_rng.ptk");
+    EXPECT_TRUE(h.ok()) << h.status();
+    return h.ok() ? *h : std::string();
+  }
+};
+
+TEST_F(MtpParallelCli, TwoTensorRanksTrainAsOneRankDoes) {
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2"));
+}
+
+TEST_F(MtpParallelCli, TwoPipelineStagesTrainAsOneRankDoesTiedOrNot) {
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--pipeline-model-parallel-size 2"));
+  ASSERT_NO_FATAL_FAILURE(
+      TrainsAsOneRank(2, "--pipeline-model-parallel-size 2", "--untie-embeddings-and-output-weights"));
+}
+
+TEST_F(MtpParallelCli, TwoTensorRanksResumeBitForBitWithEhProjSplit) {
+  const std::string dir = ResumesBitForBit(2, "--tensor-model-parallel-size 2");
+  for (const char* rank : {"mp_rank_00", "mp_rank_01"}) {
+    const std::string h = Header(dir, rank);
+    // eh_proj: its 32 output rows split, 16 a rank, of 2 x 32 inputs.
+    EXPECT_TRUE(
+        std::regex_search(h, std::regex(R"("name": ?"mtp\.layers\.1\.eh_proj\.weight", ?"shape": ?\[16, ?64\])")))
+        << rank << ": " << h.substr(0, 4000);
+    EXPECT_NE(h.find("mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight"), std::string::npos) << rank;
+  }
+}
+
+TEST_F(MtpParallelCli, TwoPipelineStagesResumeBitForBitTheDepthsOnTheLast) {
+  const std::string dir = ResumesBitForBit(2, "--pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights");
+  const std::string first = Header(dir, "mp_rank_00_000"), last = Header(dir, "mp_rank_00_001");
+  EXPECT_EQ(first.find("mtp.layers."), std::string::npos) << first.substr(0, 4000);
+  for (const char* name :
+       {"mtp.layers.0.enorm.weight", "mtp.layers.1.eh_proj.weight", "mtp.layers.1.final_layernorm.weight",
+        "embedding.word_embeddings.weight", "output_layer.weight"})
+    EXPECT_NE(last.find(std::string("\"") + name + "\""), std::string::npos) << name << ": " << last.substr(0, 4000);
+}
+
+}  // namespace
+}  // namespace ptk
