@@ -1,7 +1,8 @@
 // ptk-train's sliding window attention and softmax type flags (Megatron's --window-size,
 // --window-attn-skip-freq, --softmax-type; megatron-core's DotProductAttention, which the CPU backend's
-// attention mirrors): declared, read as Megatron-LM's arguments.py reads them (tuple_type, moe_freq_type),
-// resolved into GPTConfig, and what ptk does not run them with refused in one line each.
+// attention mirrors, MLA's and the MTP depths' too): declared, read as Megatron-LM's arguments.py reads them
+// (tuple_type, moe_freq_type), resolved into GPTConfig, and what Megatron or ptk does not run them with (Transformer
+// Engine's context parallelism's limits, the CUDA backend) refused in one line each.
 #include <cctype>
 #include <charconv>
 #include <string>
@@ -68,8 +69,11 @@ absl::Status ResolveWindowSize(const std::string& text, int64_t* left) {
 
 // --window-attn-skip-freq (Megatron's moe_freq_type): N, layer_number % N != 0 has the window (layer_number
 // 1-based); or a list pattern, 1 for a windowed layer, 0 for full attention.
-absl::Status ResolveSkipFreq(const std::string& text, int64_t layers, std::vector<int>* pattern) {
+// `count`, if given, gets N (0 for a list pattern).
+absl::Status ResolveSkipFreq(const std::string& text, int64_t layers, std::vector<int>* pattern,
+                             int64_t* count = nullptr) {
   const std::string flag = "--window-attn-skip-freq " + text;
+  if (count) *count = 0;
   if (text.find('[') == std::string::npos) {
     int64_t n = 0;
     const std::string t = Trim(text);
@@ -79,6 +83,7 @@ absl::Status ResolveSkipFreq(const std::string& text, int64_t layers, std::vecto
                         ": a positive count N (every N-th layer has full attention) or a list pattern "
                         "(\"[1,1,0]\", \"([1]*3+[0])*2\")");
     for (int64_t l = 0; l < layers; ++l) pattern->push_back((l + 1) % n != 0 ? 1 : 0);
+    if (count) *count = n;
     return absl::OkStatus();
   }
   if (!train_flags::ParseLayerPattern(text, pattern))
@@ -124,24 +129,43 @@ absl::Status ResolveAttentionVariantFlags(const TrainFlags& f, GPTConfig* model,
   PTK_RETURN_IF_ERROR(ResolveWindowSize(a.window_size, &model->window_left));
   model->window_pattern.clear();
   if (!a.window_attn_skip_freq.empty())
-    PTK_RETURN_IF_ERROR(ResolveSkipFreq(a.window_attn_skip_freq, model->num_layers, &model->window_pattern));
+    PTK_RETURN_IF_ERROR(
+        ResolveSkipFreq(a.window_attn_skip_freq, model->num_layers, &model->window_pattern, &model->window_skip_freq));
   return absl::OkStatus();
 }
 
 absl::Status RefuseAttentionVariantCombinations(const TrainFlags& f, Device device) {
   if (!AttentionVariantOn(f)) return absl::OkStatus();
-  std::string flags = f.attn.window_size.empty() ? "" : "--window-size " + f.attn.window_size;
-  if (!f.attn.softmax_type.empty() && f.attn.softmax_type != "vanilla")
-    flags += (flags.empty() ? "" : " and ") + ("--softmax-type " + f.attn.softmax_type);
-  auto refuse = [&](const std::string& what) {
+  const bool window = !f.attn.window_size.empty(),
+             sink = !f.attn.softmax_type.empty() && f.attn.softmax_type != "vanilla";
+  std::string flags = window ? "--window-size " + f.attn.window_size : "";
+  if (sink) flags += (flags.empty() ? "" : " and ") + ("--softmax-type " + f.attn.softmax_type);
+  // Megatron's context parallelism is Transformer Engine's attention's (the local DotProductAttention asserts
+  // context_parallel_size 1), and TE's attn_forward_func_with_cp asserts what each exchange runs.
+  const std::string cp =
+      fmt::format("--context-parallel-size {} --cp-comm-type {}", f.context_parallel_size, f.cp_comm_type);
+  if (f.context_parallel_size > 1 && sink)
     return UsageError(fmt::format(
-        "{} with {}: ptk's sliding window and softmax types run in the CPU backend's attention, without it for now",
-        flags, what));
-  };
-  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
-  if (f.mla.on) return refuse("--multi-latent-attention");
-  if (f.mtp.num_layers.value_or(0) > 0) return refuse(fmt::format("--mtp-num-layers {}", *f.mtp.num_layers));
-  if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)");
+        "--softmax-type {} with {}: Transformer Engine's context parallelism (Megatron's) runs the softmax types "
+        "only with --cp-comm-type a2a (attn_forward_func_with_cp asserts), which ptk has not",
+        f.attn.softmax_type, cp));
+  if (f.context_parallel_size > 1 && window && f.cp_comm_type != "allgather")
+    return UsageError(fmt::format(
+        "--window-size {} with {}: Transformer Engine's context parallelism (Megatron's) runs a sliding window only "
+        "with --cp-comm-type a2a or allgather (attn_forward_func_with_cp asserts); use --cp-comm-type allgather",
+        f.attn.window_size, cp));
+  if (window && !f.attn.window_attn_skip_freq.empty() && f.attn.window_attn_skip_freq.find('[') != std::string::npos &&
+      f.mtp.num_layers.value_or(0) > 0)
+    return UsageError(fmt::format(
+        "--window-attn-skip-freq {} with --mtp-num-layers {}: megatron-core's is_layer_window_attention indexes a "
+        "list pattern at the depths' layer numbers (--num-layers + 1 on), past its entries (IndexError); give a "
+        "count N",
+        f.attn.window_attn_skip_freq, *f.mtp.num_layers));
+  if (device != Device::kCpu)
+    return UsageError(fmt::format(
+        "{} with --device cuda (or --bf16 / --fp16: the CUDA backend's): ptk's sliding window and softmax types run "
+        "in the CPU backend's attention, without it for now",
+        flags));
   if (f.attn.softmax_type == "learnable" && f.options.model.init_method_xavier_uniform)
     return UsageError(
         "--softmax-type learnable with --init-method-xavier-uniform: Megatron's init_method (xavier_uniform_) "
@@ -149,7 +173,8 @@ absl::Status RefuseAttentionVariantCombinations(const TrainFlags& f, Device devi
   return absl::OkStatus();
 }
 
-std::string CanonicalAttentionVariantValue(const std::string& flag, const std::string& given, int64_t layers) {
+std::string CanonicalAttentionVariantValue(const std::string& flag, const std::string& given, int64_t layers,
+                                           int64_t mtp_layers) {
   if (flag == "--window-size") {
     std::vector<int64_t> v;
     if (!ParseIntTuple(given, &v) || v.size() != 2) return given;
@@ -157,7 +182,9 @@ std::string CanonicalAttentionVariantValue(const std::string& flag, const std::s
   }
   if (flag == "--window-attn-skip-freq") {
     std::vector<int> pattern;
-    if (!ResolveSkipFreq(given, layers, &pattern).ok()) return given;
+    int64_t count = 0;
+    if (!ResolveSkipFreq(given, layers, &pattern, &count).ok()) return given;
+    if (mtp_layers > 0 && count > 0) return std::to_string(count);  // GPTConfig::WindowSkipFreqSetting's
     std::string out = "[";
     for (size_t l = 0; l < pattern.size(); ++l) out += fmt::format("{}{}", l ? "," : "", pattern[l]);
     return out + "]";

@@ -79,7 +79,8 @@ std::optional<std::string> GivenValue(const CLI::App& app, const TrainFlags& f, 
   const CLI::Option* opt = app.get_option(flag);
   if (opt->count() == 0) return std::nullopt;
   if (flag == "--window-size" || flag == "--window-attn-skip-freq")  // as the checkpoint writes them
-    return CanonicalAttentionVariantValue(flag, opt->as<std::string>(), f.options.model.num_layers);
+    return CanonicalAttentionVariantValue(flag, opt->as<std::string>(), f.options.model.num_layers,
+                                          f.mtp.num_layers.value_or(0));
   return IsSwitch(flag) ? std::string("on") : opt->as<std::string>();
 }
 

@@ -167,11 +167,13 @@ absl::Status RefuseMtpCombinations(const TrainFlags& flags, Device device);
 // Megatron's --window-size, --window-attn-skip-freq and --softmax-type (attention_variant_flags.cpp), added by
 // AddTrainFlags; their settings into `model` (after --num-layers); the parallelism, models and device they do not
 // run with, refused naming them. CanonicalAttentionVariantValue: a given --window-size or --window-attn-skip-freq
-// as a checkpoint's settings write it ("W,0"; a pattern of `layers` entries), for --use-checkpoint-args.
+// as a checkpoint's settings write it ("W,0"; a pattern of `layers` entries, with `mtp_layers` a count as given),
+// for --use-checkpoint-args.
 void AddAttentionVariantFlags(CLI::App* app, TrainFlags* flags);
 absl::Status ResolveAttentionVariantFlags(const TrainFlags& flags, GPTConfig* model, std::vector<std::string>* notes);
 absl::Status RefuseAttentionVariantCombinations(const TrainFlags& flags, Device device);
-std::string CanonicalAttentionVariantValue(const std::string& flag, const std::string& given, int64_t layers);
+std::string CanonicalAttentionVariantValue(const std::string& flag, const std::string& given, int64_t layers,
+                                           int64_t mtp_layers = 0);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with

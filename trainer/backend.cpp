@@ -134,9 +134,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError(
         "window_left / softmax_type: sliding window attention and the softmax types run "
         "on the CPU backend");
-  if (variant && backend.context_comm && backend.context_comm->size() > 1)
-    return absl::UnimplementedError(
-        "window_left / softmax_type: sliding window attention and the softmax types run on one context rank");
   // Gated attention and the query and key L2 norm are the CPU passes' (cpu_gpt_model_pass.cpp).
   if (config.attention_output_gate && backend.device != Device::kCpu)
     return absl::UnimplementedError("--attention-output-gate: the gated attention runs on the CPU backend only");

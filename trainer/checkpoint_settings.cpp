@@ -188,9 +188,8 @@ std::string ModelJson(const GPTConfig& c) {
   }
   if (c.mtp_num_layers > 0) w.Field("mtp_num_layers", c.mtp_num_layers);  // multi-token prediction's depths
   if (c.window_left >= 0) {  // sliding window attention: the window and the layers it is on
-    std::string layers;
-    for (int64_t l = 0; l < c.num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "", c.window_layer(l) ? 1 : 0);
-    w.Field("window_size", fmt::format("{},0", c.window_left)).Field("window_attn_skip_freq", "[" + layers + "]");
+    w.Field("window_size", fmt::format("{},0", c.window_left))
+        .Field("window_attn_skip_freq", c.WindowSkipFreqSetting());
   }
   if (c.softmax_sink()) w.Field("softmax_type", c.softmax_type);
   return w.EndObject().str();

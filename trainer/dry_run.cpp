@@ -129,6 +129,10 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
     mlp = share * moe + (1 - share) * mlp;
   }
   double inside = v * (s * b * (2 * q + 2 * kv) + mlp);
+  // --attention-output-gate: the gate's rows of the QKV product and the core attention's output before the gate
+  // (the product's other input), a·kv each. A sliding window or a softmax offset leaves the attention core's
+  // probabilities whole (s² a row of them: the unfused softmax masks, it does not shrink).
+  if (c.attention_output_gate) inside += v * 2 * s * b * q;
   // ... and the attention core: softmax output and dropout output (2as²b values), dropout mask (as²b).
   if (!selective_recompute) inside += (2 * v + 1) * a * s * s * b;
   return (sequence_parallel && tensor > 1 ? outside / t : outside) + inside / t;

@@ -24,8 +24,11 @@ absl::Status GPTConfig::Validate() const {
   if (!window_pattern.empty() && static_cast<int64_t>(window_pattern.size()) != num_layers)
     return bad(fmt::format("window_pattern has {} entries for num_layers {}: one per layer", window_pattern.size(),
                            num_layers));
-  if ((window_left >= 0 || softmax_type != "vanilla") && (mla() || mtp_num_layers > 0))
-    return bad("window_left / softmax_type with multi_latent_attention or mtp_num_layers: not implemented");
+  if (window_left >= 0 && !window_pattern.empty() && window_skip_freq == 0 && mtp_num_layers > 0)
+    return bad(
+        "window_pattern (a list window_attn_skip_freq) with mtp_num_layers: megatron-core's "
+        "is_layer_window_attention indexes the list at the depths' layer numbers, num_layers + 1 on, past its "
+        "num_layers entries (IndexError); give a count");
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
   if (kv_channels < 0)
@@ -78,6 +81,13 @@ absl::Status GPTConfig::Validate() const {
     return bad("qk_l2_norm with qk_layernorm: megatron-core replaces the query and key norms by the L2 norm; give one");
   PTK_RETURN_IF_ERROR(ValidateMla());
   return ValidateMoe();
+}
+
+std::string GPTConfig::WindowSkipFreqSetting() const {
+  if (mtp_num_layers > 0 && window_skip_freq > 0) return std::to_string(window_skip_freq);
+  std::string layers = "[";
+  for (int64_t l = 0; l < num_layers; ++l) layers += fmt::format("{}{}", l ? "," : "", window_layer(l) ? 1 : 0);
+  return layers + "]";
 }
 
 double GPTConfig::MlaSoftmaxScale() const {

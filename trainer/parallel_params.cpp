@@ -120,6 +120,7 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
     n += norm;  // final norm
     // Multi-token prediction (one tensor rank and stage): per depth enorm, hnorm, eh_proj, a layer, final_layernorm.
     n += c.mtp_num_layers * (3 * norm + 2 * h * h + layer);
+    if (c.learnable_softmax()) n += c.mtp_num_layers * c.num_attention_heads;  // each depth's softmax_offset
     if (c.mtp_num_layers > 0 && c.moe_layer(c.num_layers - 1))  // MoE depths (the decoder's last layer's kind)
       n += c.mtp_num_layers *
            (c.num_experts * h + c.num_experts * c.expert_floats() + c.shared_expert_floats() - (fc1 * h + h * ffn));

@@ -75,6 +75,7 @@ LayerParams TakeLayer(const LayerParams& w, const GPTConfig& cf, int64_t tensor_
                           {&lp.q_norm_b, w.q_norm_b},
                           {&lp.k_norm_w, w.k_norm_w},
                           {&lp.k_norm_b, w.k_norm_b},
+                          {&lp.softmax_offset, w.softmax_offset},  // core_attention's, before linear_proj
                           {&lp.proj_w, w.proj_w},
                           {&lp.proj_b, w.proj_b},
                           {&lp.ln2_w, w.ln2_w},
@@ -217,10 +218,10 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
   }
   auto move = [&](int64_t at) { return at < 0 ? -1 : moved[static_cast<size_t>(at)]; };
   for (LayerParams& lp : s.layers) {
-    for (int64_t* f :
-         {&lp.ln1_w,    &lp.ln1_b,    &lp.qkv_w,    &lp.qkv_b,      &lp.proj_w,     &lp.proj_b,     &lp.ln2_w,
-          &lp.ln2_b,    &lp.fc1_w,    &lp.fc1_b,    &lp.fc2_w,      &lp.fc2_b,      &lp.q_norm_w,   &lp.q_norm_b,
-          &lp.k_norm_w, &lp.k_norm_b, &lp.router_w, &lp.shared_fc1, &lp.shared_fc2, &lp.shared_gate})
+    for (int64_t* f : {&lp.ln1_w,      &lp.ln1_b,       &lp.qkv_w,         &lp.qkv_b,    &lp.proj_w,   &lp.proj_b,
+                       &lp.ln2_w,      &lp.ln2_b,       &lp.fc1_w,         &lp.fc1_b,    &lp.fc2_w,    &lp.fc2_b,
+                       &lp.q_norm_w,   &lp.q_norm_b,    &lp.k_norm_w,      &lp.k_norm_b, &lp.router_w, &lp.shared_fc1,
+                       &lp.shared_fc2, &lp.shared_gate, &lp.softmax_offset})
       *f = move(*f);
     if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats() / in.tensor_size);
   }

@@ -145,6 +145,9 @@ struct GPTConfig {
   // window_pattern: one 0/1 entry per layer (1: windowed), empty for every layer.
   int64_t window_left = -1;
   std::vector<int> window_pattern;
+  // --window-attn-skip-freq N's N (0: a list pattern, or none): the multi-token prediction depths' layers, which
+  // megatron-core numbers num_layers + k + 1 after the decoder's, have the window where (that number) % N != 0.
+  int64_t window_skip_freq = 0;
   // Megatron's --softmax-type (megatron-core's DotProductAttention): vanilla, off-by-one (a zero logit per
   // head beside each row's scores in its softmax) or learnable (that logit the layer's softmax_offset parameter,
   // one per head, core_attention.softmax_offset in the state dict).
@@ -160,10 +163,15 @@ struct GPTConfig {
   // The attention's output width (linear_proj's input): heads x head_dim, under MLA heads x v_head_dim.
   int64_t attention_width() const { return num_attention_heads * (mla() ? v_head_dim : head_dim()); }
   bool moe() const { return num_experts > 0; }
-  // Megatron's is_layer_window_attention for the 0-based layer l.
+  // Megatron's is_layer_window_attention for the 0-based layer l (num_layers + k: multi-token prediction depth k's).
   bool window_layer(int64_t l) const {
-    return window_left >= 0 && (window_pattern.empty() || window_pattern[static_cast<size_t>(l)] != 0);
+    if (window_left < 0 || window_pattern.empty()) return window_left >= 0;
+    if (l < static_cast<int64_t>(window_pattern.size())) return window_pattern[static_cast<size_t>(l)] != 0;
+    return window_skip_freq > 0 && (l + 1) % window_skip_freq != 0;
   }
+  // --window-attn-skip-freq as the settings record it: the layer pattern ("[1,0,1]"), or with multi-token
+  // prediction and a count N, N (megatron-core indexes a list at the depths' layer numbers, past its entries).
+  std::string WindowSkipFreqSetting() const;
   bool softmax_sink() const { return softmax_type != "vanilla"; }
   bool learnable_softmax() const { return softmax_type == "learnable"; }
   bool moe_layer(int64_t l) const {

@@ -333,11 +333,8 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
     all.push_back({"--mtp-loss-scaling-factor", Num(o.model.mtp_loss_scaling_factor)});
   }
   if (o.model.window_left >= 0) {  // sliding window attention's (only with it)
-    std::string layers;
-    for (int64_t l = 0; l < o.model.num_layers; ++l)
-      layers += fmt::format("{}{}", l ? "," : "[", o.model.window_layer(l) ? 1 : 0);
     all.push_back({"--window-size", fmt::format("{},0", o.model.window_left)});
-    all.push_back({"--window-attn-skip-freq", layers + "]"});
+    all.push_back({"--window-attn-skip-freq", o.model.WindowSkipFreqSetting()});
   }
   if (o.model.softmax_sink()) all.push_back({"--softmax-type", o.model.softmax_type});
   for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})

@@ -1,6 +1,9 @@
-"""Writes tests/data/trainer/mtp_NAME.{json,bin} for multi-token prediction with mixture-of-experts layers and
-multi-latent attention: megatron-core's own GPT trained on the CPU, the golden of ptk's CPU MTP with MoE and MLA
-(tests/trainer/mtp_moe_golden_test.cpp).
+"""Writes tests/data/trainer/mtp_NAME.{json,bin} for multi-token prediction with mixture-of-experts layers,
+multi-latent attention and the attention variants (sliding window, softmax offsets, output gate, query and key L2
+norm): megatron-core's own GPT trained on the CPU, the golden of ptk's CPU MTP with them
+(tests/trainer/mtp_moe_golden_test.cpp). The variants go to the TransformerConfig, so the depths' layers have them as
+the decoder's; the json's window_layers is is_layer_window_attention of layer numbers 1 .. num_layers +
+mtp_num_layers (a depth's layer is numbered after the decoder's).
 
 megatron-core 0.16.1 (/opt/ptk-pyref) builds the decoder from get_gpt_decoder_block_spec(config,
 use_transformer_engine=False) (its local spec: MoE layers by moe_layer_freq, SequentialMLP experts behind the
@@ -32,7 +35,9 @@ COMMON = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_si
               moe_router_score_function="softmax", moe_shared_expert_intermediate_size=0,
               moe_router_enable_expert_bias=False, moe_router_bias_update_rate=0.01, swiglu=False,
               normalization="LayerNorm", position_embedding_type="learned_absolute", q_lora_rank=8,
-              qk_layernorm=True, kv_lora_rank=6, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=6)
+              qk_layernorm=True, kv_lora_rank=6, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=6,
+              num_query_groups=None, window_size=None, window_attn_skip_freq=None, softmax_type="vanilla",
+              attention_output_gate=False, qk_l2_norm=False)
 GOLDENS = {
     # Two depths; layers dense, MoE (top-2 of 4 GELU experts, aux loss), so the depths' layers are MoE layers; a
     # shared expert of width 8.
@@ -47,6 +52,23 @@ GOLDENS = {
     "mtp_moe_mla": dict(mtp_num_layers=1, mla=True, normalization="RMSNorm", swiglu=True,
                         position_embedding_type="rope", num_experts=4, moe_router_score_function="sigmoid",
                         moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=8),
+    # The attention variants in the depths' layers (the decoder's attention config; Megatron numbers depth k's layer
+    # num_layers + k + 1 for is_layer_window_attention). Two depths after two layers, a window of 2 keys with skip
+    # frequency 3 (layers 1 and 2 windowed, depth 1's layer 3 full, depth 2's layer 4 windowed), the learnable
+    # softmax offset (each depth's own core_attention.softmax_offset), grouped-query attention; a larger init std
+    # so that the offsets weigh in the softmax (gen_swa_golden.py's).
+    "mtp_swa_learnable": dict(mtp_num_layers=2, window_size=(2, 0), window_attn_skip_freq=3,
+                              softmax_type="learnable", num_query_groups=2, init_method_std=0.5),
+    # The output gate and the query and key L2 norm in the depth's layer: grouped-query attention, RMSNorm, SwiGLU,
+    # RoPE.
+    "mtp_gated_l2": dict(mtp_num_layers=1, attention_output_gate=True, qk_l2_norm=True, num_query_groups=2,
+                         normalization="RMSNorm", swiglu=True, position_embedding_type="rope"),
+    # Multi-latent attention (its core attention is DotProductAttention's: the window and the softmax offset apply
+    # to it) with a window of 3 on the layers skip frequency 2 names (layer 1 and depth 1's layer 3), the learnable
+    # softmax offset; MLA has no output gate (MLATransformerConfig raises) nor L2 norm (its specs assert).
+    "mtp_mla_swa_learnable": dict(mtp_num_layers=1, mla=True, normalization="RMSNorm", swiglu=True,
+                                  position_embedding_type="rope", window_size=(3, 0), window_attn_skip_freq=2,
+                                  softmax_type="learnable", init_method_std=0.5),
 }
 
 
@@ -62,7 +84,10 @@ def build(torch, g):
               attention_dropout=0.0, add_bias_linear=False, init_method_std=c["init_method_std"],
               gated_linear_unit=c["swiglu"], activation_func=F.silu if c["swiglu"] else F.gelu,
               bias_activation_fusion=False, normalization=c["normalization"], mtp_num_layers=c["mtp_num_layers"],
-              mtp_loss_scaling_factor=c["mtp_loss_scaling_factor"])
+              mtp_loss_scaling_factor=c["mtp_loss_scaling_factor"], num_query_groups=c["num_query_groups"],
+              window_size=c["window_size"], window_attn_skip_freq=c["window_attn_skip_freq"],
+              softmax_type=c["softmax_type"], attention_output_gate=c["attention_output_gate"],
+              qk_l2_norm=c["qk_l2_norm"], apply_rope_fusion=False)
     if c["num_experts"]:
         kw.update(num_moe_experts=c["num_experts"], moe_router_topk=c["moe_router_topk"],
                   moe_ffn_hidden_size=c["moe_ffn_hidden_size"], moe_aux_loss_coeff=c["moe_aux_loss_coeff"],
@@ -79,7 +104,7 @@ def build(torch, g):
                   rotary_base=10000.0, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
                   apply_rope_fusion=False)
     cfg = (MLATransformerConfig if c["mla"] else TransformerConfig)(**kw)
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, qk_l2_norm=c["qk_l2_norm"])
     for layer in spec.layer_specs:
         if c["mla"]:
             layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
@@ -127,8 +152,14 @@ def run(torch, name, g, out_dir):
     # tracker cleared before each step, the loss mask passed to the forward.
     steps = mcore_golden.train(torch, c, gpt, model, opt, sched, blob, STEPS, moe=True, mtp=True,
                                on_step=log_mtp_moe)
+    from megatron.core.transformer.utils import is_layer_window_attention
     config = {k: v for k, v in c.items() if k != "moe_layer_freq"}
     config["moe_layer_pattern"] = pattern
+    config["window_size"] = list(c["window_size"]) if c["window_size"] else None
+    config["num_query_groups"] = c["num_query_groups"] or 0
+    # Per decoder and depth layer (1-based numbers 1 .. num_layers + mtp_num_layers), whether it has the window.
+    config["window_layers"] = [is_layer_window_attention(c["window_size"], c["window_attn_skip_freq"], n + 1)
+                               for n in range(c["num_layers"] + c["mtp_num_layers"])]
     config["untie"] = True
     config["expert_bias_keys"] = [n for n, _ in gpt.named_buffers() if n.endswith("router.expert_bias")]
     mcore_golden.write_golden(torch, out_dir, name, "tests/support/gen_mtp_moe_golden.py", config, steps, blob, gpt)

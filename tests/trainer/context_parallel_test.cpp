@@ -6,7 +6,8 @@
 // norms, recomputed attention); a context rank allocates what the memory estimate plans for it. With
 // a loss mask uneven over the context ranks, the training step weighs each rank's tokens as
 // megatron-core does (tests/support/gen_cp_loss_scale_golden.py: each rank's micro-batch mean weighing
-// 1 / C, or with --calculate-per-token-loss 1 / the global batch's tokens).
+// 1 / C, or with --calculate-per-token-loss 1 / the global batch's tokens). A sliding window and the learnable
+// softmax offsets give one rank's loss and gradients too.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -110,6 +111,20 @@ void ExpectContextRanksMatchOne(const GPTConfig& c, const std::string& what) {
 TEST(ContextParallel, GptModelMatchesOneRank) { ExpectContextRanksMatchOne(Config(false), "GPT"); }
 
 TEST(ContextParallel, LlamaLineModelMatchesOneRank) { ExpectContextRanksMatchOne(Config(true), "Llama line"); }
+
+// A sliding window across the ranks' chunks (each rank's rows masked by their true positions) on the first layer
+// only, and the learnable softmax offsets (each row's sink once, on the rank holding the row; their gradients
+// summed over the context group), with and without recomputed attention. ptk-train refuses the softmax types under
+// context parallelism as Megatron (Transformer Engine's a2a only): the library checks the arithmetic.
+TEST(ContextParallel, SlidingWindowAndSoftmaxOffsetsMatchOneRank) {
+  for (bool llama : {false, true}) {
+    GPTConfig c = Config(llama);
+    c.window_left = 5;
+    c.window_pattern = {1, 0};
+    c.softmax_type = "learnable";
+    ExpectContextRanksMatchOne(c, llama ? "window + offsets, Llama line" : "window + offsets");
+  }
+}
 
 // tests/data/trainer/cp_loss_scale_golden.txt: the whole samples' loss masks of 2 micro-batches, and
 // megatron-core's weight of one masked token of each micro-batch and context rank in the reduced

@@ -64,6 +64,29 @@ TEST(ActivationBytesPerLayer, CountsTheSharedExperts) {
   EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 2, 1, false, false, 2), swiglu + 0.5 * v * 3 * s * b * S);
 }
 
+// --attention-output-gate: the gate's rows of the QKV product and the ungated attention output, 2sb x a·kv values
+// more (split over the tensor ranks, as the rest of the attention); a sliding window and the softmax offsets keep
+// the probabilities' as²b (Megatron's unfused softmax masks them).
+TEST(ActivationBytesPerLayer, CountsTheOutputGateNotTheWindow) {
+  GPTConfig c = Model(1, 4096, 32, 2048, 50257);
+  const double s = 2048, b = 4, h = 4096, v = 2;
+  const double plain = ActivationBytesPerLayer(c, 4, 1, false, false, 2);
+  GPTConfig g = c;
+  g.attention_output_gate = true;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(g, 4, 1, false, false, 2), plain + v * 2 * s * b * h);
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(g, 4, 2, false, true, 2),
+                   ActivationBytesPerLayer(c, 4, 2, false, true, 2) + v * 2 * s * b * h / 2);
+  g.num_query_groups = 8;  // the gate is per query head: grouped-query attention leaves it whole
+  c.num_query_groups = 8;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(g, 4, 1, false, false, 2),
+                   ActivationBytesPerLayer(c, 4, 1, false, false, 2) + v * 2 * s * b * h);
+  GPTConfig w = c;
+  w.window_left = 128;
+  w.softmax_type = "learnable";
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(w, 4, 1, false, false, 2),
+                   ActivationBytesPerLayer(c, 4, 1, false, false, 2));
+}
+
 // MoE layers: the experts' inputs k x sb rows of 2F (the layer's MLP), with a capacity factor at most E x capacity
 // rows: E = 8, k = 2, sb = 8192 tokens, F = 0.5 gives 8 x ceil(2048 x 0.5) = 8192 rows, half of the dropless 16384.
 TEST(ActivationBytesPerLayer, MoeLayersCountTheExpertsCapacity) {

@@ -3,7 +3,11 @@
 // with the MultiTokenPredictionBlock of get_gpt_mtp_block_spec, DDP, optimizer and scheduler on the CPU): two MoE
 // depths with a shared expert after a dense and an MoE layer (mtp_moe), a dense depth after an MoE and a dense
 // layer (mtp_moe_dense_last: the depth's layer is the decoder's last layer's kind), an MLA depth (mtp_mla), and an
-// MoE + MLA depth with a sigmoid router, expert bias and a shared expert (mtp_moe_mla). The layout (Megatron's
+// MoE + MLA depth with a sigmoid router, expert bias and a shared expert (mtp_moe_mla), and the attention variants in
+// the depths' layers as in the decoder's: two depths with a sliding window (depth 1's layer, number 3, full under skip
+// frequency 3, depth 2's windowed) and the learnable softmax offset (mtp_swa_learnable), the output gate with the
+// query and key L2 norm (mtp_gated_l2), and MLA with the window and the learnable offset (mtp_mla_swa_learnable).
+// The layout (Megatron's
 // names, shapes and order), the first step's lm loss, grad norm, mtp_K losses, load-balancing loss (logged over the
 // MoE layers plus the depths, as Megatron-LM) and every gradient within 1e-5 relative (fp32 sums in another order:
 // the MoE and MLA goldens' bound), and three optimizer steps' losses, expert biases (bit for bit: sign steps of
@@ -72,7 +76,22 @@ class MtpMoeGolden : public ::testing::TestWithParam<std::string> {
       c.qk_pos_emb_head_dim = g_.Int("qk_pos_emb_head_dim");
       c.v_head_dim = g_.Int("v_head_dim");
     }
+    ReadAttentionVariants(&c);
     config_ = c;
+  }
+  // The attention variants of the depths' layers (the goldens before them have none of these keys).
+  void ReadAttentionVariants(GPTConfig* c) {
+    auto cfg = g_.meta["config"];
+    auto has = [&](const char* k) { return !cfg[k].error() && !cfg[k].is_null(); };
+    if (has("num_query_groups")) c->num_query_groups = g_.Int("num_query_groups");
+    if (has("softmax_type")) c->softmax_type = std::string(cfg["softmax_type"].get_string().value());
+    if (has("attention_output_gate")) c->attention_output_gate = cfg["attention_output_gate"].get_bool();
+    if (has("qk_l2_norm")) c->qk_l2_norm = cfg["qk_l2_norm"].get_bool();
+    if (!has("window_size")) return;
+    c->window_left = int64_t(cfg["window_size"].at(0));
+    ASSERT_TRUE(has("window_attn_skip_freq"));  // the goldens give a count: a list has no entries for the depths
+    c->window_skip_freq = g_.Int("window_attn_skip_freq");
+    for (int64_t l = 0; l < c->num_layers; ++l) c->window_pattern.push_back((l + 1) % c->window_skip_freq != 0);
   }
   std::unique_ptr<CpuGPTModel> MakeModel() {
     auto m = CpuGPTModel::Create(config_);
@@ -111,6 +130,14 @@ TEST_P(MtpMoeGolden, TheLayoutIsMegatronCores) {
   EXPECT_EQ(ParamsOnModelParallelRank(config_, 1, 1, 0, config_.num_layers), count);  // --dry-run's count
   for (const MtpLayerParams& mp : layout->mtp)                                        // the decoder's last layer's kind
     EXPECT_EQ(mp.layer.router_w >= 0, config_.moe_layer(config_.num_layers - 1));
+  if (!g_.meta["config"]["window_layers"].error()) {  // is_layer_window_attention of the decoder's and depths' layers
+    int64_t n = 0;
+    for (auto w : g_.meta["config"]["window_layers"].get_array()) {
+      EXPECT_EQ(config_.window_layer(n), w.get_bool().value()) << "layer number " << n + 1;
+      ++n;
+    }
+    EXPECT_EQ(n, config_.num_layers + config_.mtp_num_layers);
+  }
   std::vector<std::string> biases;
   for (const auto& [name, bias] : MakeModel()->ReadBuffers()) biases.push_back(name);
   std::vector<std::string> want;
@@ -163,7 +190,8 @@ TEST_P(MtpMoeGolden, ThreeOptimizerStepsMatchMegatron) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Goldens, MtpMoeGolden,
-                         ::testing::Values("mtp_moe", "mtp_moe_dense_last", "mtp_mla", "mtp_moe_mla"));
+                         ::testing::Values("mtp_moe", "mtp_moe_dense_last", "mtp_mla", "mtp_moe_mla",
+                                           "mtp_swa_learnable", "mtp_gated_l2", "mtp_mla_swa_learnable"));
 
 // Expert parallelism (the depths' experts are not cut over expert ranks) stays refused by the library.
 TEST(MtpMoeModel, ExpertParallelismIsRefused) {

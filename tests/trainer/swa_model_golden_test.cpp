@@ -170,8 +170,11 @@ TEST(SwaModel, OtherBackendsAndModelsAreRefused) {
     BackendOptions cuda;
     cuda.device = Device::kCuda;
     EXPECT_EQ(CreateModel(v, cuda).status().code(), absl::StatusCode::kUnimplemented);
-    for (auto bad : {+[](GPTConfig& x) { x.mtp_num_layers = 1; }, +[](GPTConfig& x) { x.window_pattern = {1}; },
-                     +[](GPTConfig& x) { x.softmax_type = "softer"; }, +[](GPTConfig& x) { x.window_left = -2; }}) {
+    for (auto bad : {+[](GPTConfig& x) {
+                       x.window_left = 1, x.window_pattern = {1, 0}, x.mtp_num_layers = 1;
+                     },
+                     +[](GPTConfig& x) { x.window_pattern = {1}; }, +[](GPTConfig& x) { x.softmax_type = "softer"; },
+                     +[](GPTConfig& x) { x.window_left = -2; }}) {
       GPTConfig x = v;
       bad(x);
       EXPECT_EQ(ParamLayout::Create(x).status().code(), absl::StatusCode::kInvalidArgument);

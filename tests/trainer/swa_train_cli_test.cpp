@@ -2,8 +2,9 @@
 // --softmax-type, CPU): a run saves megatron-core's core_attention.softmax_offset tensors and its settings,
 // a stopped run resumes bit for bit (dropout on), with --use-checkpoint-args taking the three flags from the
 // checkpoint, another window or softmax is another model, two tensor ranks (the offsets split by heads) train
-// as one, ptk-convert refuses the checkpoint, --dry-run counts the offsets as megatron-core's golden model
-// has them, and the values Megatron rejects and the combinations ptk has not are refused in one line each.
+// as one (and two pipeline stages, and two context ranks with the window), ptk-convert refuses the checkpoint,
+// --dry-run counts the offsets as megatron-core's golden model has them, and the values Megatron rejects and the
+// combinations ptk has not are refused in one line each.
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -126,6 +127,24 @@ TEST_F(SwaTrainCli, AStoppedRunResumesBitForBit) {
       << differs.output;
 }
 
+// With multi-token prediction the settings keep the skip frequency's count (megatron-core numbers the depth's layer 3
+// after the 2 decoder layers: a list has no entry for it): a stopped run resumes bit for bit, and
+// --use-checkpoint-args takes the count back.
+TEST_F(SwaTrainCli, AnMtpRunKeepsTheSkipFrequencysCount) {
+  const std::string mtp = std::string(kVariant) + " --mtp-num-layers 1";
+  auto whole = RunCmd(Train("", 4, mtp));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto first = RunCmd(Train("--exit-interval 2 --save " + ShellQuote(dir_ / "mtp"), 4, mtp));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(a.size(), 4u) << whole.output;
+  for (const std::string& how : {std::string(mtp), std::string(" --mtp-num-layers 1 --use-checkpoint-args")}) {
+    auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "mtp"), 4, how));
+    ASSERT_EQ(resumed.exit_code, 0) << how << "\n" << resumed.output;
+    EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 2, a.end())) << how;
+  }
+}
+
 TEST_F(SwaTrainCli, TwoTensorRanksTrainAsOneRankDoes) {
   auto one = RunCmd(Train(""));
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -134,6 +153,22 @@ TEST_F(SwaTrainCli, TwoTensorRanksTrainAsOneRankDoes) {
       RunGivingLosses(2, Train("--tensor-model-parallel-size 2"), testing::LossesOf(one.output), 6, 1e-5, "T=2", &out));
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--tensor-model-parallel-size 2 --sequence-parallel"),
                                           testing::LossesOf(one.output), 6, 1e-5, "T=2, sequence-parallel", &out));
+}
+
+// Two pipeline stages (each layer's window by its number in the whole model) give one rank's losses, and so do two
+// context ranks with the window (--cp-comm-type allgather: Transformer Engine's sliding window exchange; the window
+// masks keys by their true positions across the ranks' chunks).
+TEST_F(SwaTrainCli, PipelineStagesAndContextRanksTrainAsOneRankDoes) {
+  auto one = RunCmd(Train(""));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--pipeline-model-parallel-size 2"), testing::LossesOf(one.output),
+                                          6, 1e-5, "P=2", &out));
+  const std::string window = " --window-size 4,0 --window-attn-skip-freq 2";
+  auto full = RunCmd(Train("", 6, window));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train("--context-parallel-size 2 --cp-comm-type allgather", 6, window),
+                                          testing::LossesOf(full.output), 6, 1e-5, "C=2", &out));
 }
 
 // megatron-core's parameter count of tests/data/trainer/swa_learnable_full's model (its golden's tensors).
@@ -185,15 +220,25 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
       {w + " --window-attn-skip-freq [2,1]", "usage error: --window-attn-skip-freq [2,1]: entry 2"},
       {w + " --window-attn-skip-freq '__import__(1)'", "usage error: --window-attn-skip-freq"},
       {" --softmax-type softer", "--softmax-type"},
-      {sm + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk's sliding window"},
-      {sm + " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4",
-       with + "--multi-latent-attention"},
-      {sm + " --mtp-num-layers 1", with + "--mtp-num-layers 1"},
+      // Transformer Engine's context parallelism (Megatron's): the softmax types with a2a only, the window not with
+      // p2p.
+      {sm + " --context-parallel-size 2",
+       "usage error: --softmax-type learnable with --context-parallel-size 2 --cp-comm-type p2p: Transformer "
+       "Engine's context parallelism (Megatron's) runs the softmax types only with --cp-comm-type a2a"},
+      {" --softmax-type off-by-one --context-parallel-size 2 --cp-comm-type allgather",
+       "usage error: --softmax-type off-by-one with --context-parallel-size 2 --cp-comm-type allgather"},
+      {w + " --context-parallel-size 2",
+       "usage error: --window-size 4,0 with --context-parallel-size 2 --cp-comm-type p2p: Transformer Engine's "
+       "context parallelism (Megatron's) runs a sliding window only with --cp-comm-type a2a or allgather"},
+      // megatron-core numbers the depths' layers after the decoder's: a list pattern has no entry for them.
+      {w + " --window-attn-skip-freq [1,0] --mtp-num-layers 1",
+       "usage error: --window-attn-skip-freq [1,0] with --mtp-num-layers 1: megatron-core's "
+       "is_layer_window_attention indexes a list pattern"},
       {sm + " --device cuda", with + "--device cuda"},
       {w + " --device cuda", "usage error: --window-size 4,0 with --device cuda"},
       {" --softmax-type off-by-one --device cuda", "usage error: --softmax-type off-by-one with --device cuda"},
       {sm + " --dry-run --bf16", with + "--device cuda"},
-      {sm + " --dry-run --context-parallel-size 2", with + "--context-parallel-size 2"},
+      {sm + " --dry-run --context-parallel-size 2", "usage error: --softmax-type learnable with --context-parallel"},
       {" --softmax-type learnable --init-method-xavier-uniform",
        "usage error: --softmax-type learnable with --init-method-xavier-uniform"},
   };
@@ -201,6 +246,13 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
     auto r = RunCmd(base + flags);
     EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+  }
+  // Megatron's depths and MLA take the window and the offsets (mtp_moe_golden_test checks their numbers).
+  for (const std::string with_model : {" --mtp-num-layers 1 --window-attn-skip-freq 2",
+                                       " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4"
+                                       " --qk-pos-emb-head-dim 4 --v-head-dim 4"}) {
+    auto r = RunCmd(base + sm + with_model + " --train-iters 1");
+    EXPECT_EQ(r.exit_code, 0) << with_model << "\n" << r.output;
   }
   auto plain = RunCmd(base + " --window-attn-skip-freq 2 --softmax-type vanilla --train-iters 1");
   EXPECT_EQ(plain.exit_code, 0) << plain.output;

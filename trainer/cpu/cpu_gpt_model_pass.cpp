@@ -181,7 +181,8 @@ AttentionShape CpuGPTModel::CoreAttentionShape(const AttentionShape& shape, int6
                                                bool backward) {
   const GPTConfig& cf = config();
   AttentionShape core = shape;
-  if (cf.window_layer(GlobalLayer(l))) core.window = cf.window_left;
+  // A depth's pass (multi-token prediction, one stage) runs the layer Megatron numbers after the decoder's.
+  if (cf.window_layer(mtp_pass_ ? moe_layer_offset_ : GlobalLayer(l))) core.window = cf.window_left;
   if (lp.softmax_offset >= 0) {
     core.sink = params_.data() + lp.softmax_offset;
     if (backward) core.dsink = grads_.data() + lp.softmax_offset;
