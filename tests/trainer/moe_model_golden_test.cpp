@@ -281,7 +281,7 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
   EXPECT_TRUE(CreateModel(c, stage).ok());
   EXPECT_TRUE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());  // tensor ranks hold a slice of every expert
-  c.moe_ffn_hidden_size = 9;  // one no tensor size 2 divides
+  c.moe_ffn_hidden_size = 9;                                       // one no tensor size 2 divides
   EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
   c.moe_ffn_hidden_size = 0;
   EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
