@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,6 +67,33 @@ class HfConvertFixture : public ::testing::Test {
     return *(*f)->ReadFloat(*t);
   }
   float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
+  // config.json's text with `from` replaced by `to` (the first one), `from` required to be there.
+  static std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
+    EXPECT_NE(config.find(from), std::string::npos) << from;
+    std::string out = config;
+    if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
+    return out;
+  }
+  struct ConfigEdit {
+    std::string from, to, why;
+  };
+  // Each edit of the HF directory `hf`'s config.json (whose text is `config`) imported into a fresh directory
+  // (dir_/outN): refused in one line that starts with config.json's path and holds the edit's `why`, nothing written.
+  // config.json is left holding the last edit.
+  void ExpectConfigEditsRefused(const std::string& hf, const std::string& config, const std::vector<ConfigEdit>& bad) {
+    int n = 0;
+    for (const ConfigEdit& k : bad) {
+      WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
+      const std::string out = dir_ / ("out" + std::to_string(n++));
+      auto r = ImportFromHf(Opts("hf", "ptk", hf, out));
+      ASSERT_FALSE(r.ok()) << k.to;
+      const std::string msg(r.status().message());
+      EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
+      EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+      EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
+    }
+  }
 
   TempDir dir_;
   ParamLayout layout_;

@@ -366,23 +366,12 @@ TEST_F(HfDeepseekV3RoundTrip, ARefusedExportWritesNothingAndMegatronRefusesMla) 
   EXPECT_FALSE(std::filesystem::exists(dir_ / "meg/iter_0000005"));
 }
 
-// config.json with `from` replaced by `to` (the first one), `from` required to be there.
-std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
-  EXPECT_NE(config.find(from), std::string::npos) << from;
-  std::string out = config;
-  if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
-  return out;
-}
-
 TEST_F(HfDeepseekV3RoundTrip, ImportRefusesWhatPtkCannotComputeNamingConfigJsonAndTheKey) {
   Saved(dir_ / "ck");
   const std::string hf = dir_ / "hf";
   ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
   const std::string config = ptk::testing::ReadFile(hf + "/config.json");
-  struct Case {
-    std::string from, to, why;
-  };
-  const Case bad[] = {
+  const std::vector<ConfigEdit> bad = {
       {"\"attention_bias\": false", "\"attention_bias\": true", "attention_bias true: ptk's multi-latent attention"},
       {"\"rope_interleave\": true", "\"rope_interleave\": false", "rope_interleave false: ptk's multi-latent"},
       {"\"num_key_value_heads\": 2", "\"num_key_value_heads\": 1", "num_key_value_heads 1 is not"},
@@ -403,18 +392,7 @@ TEST_F(HfDeepseekV3RoundTrip, ImportRefusesWhatPtkCannotComputeNamingConfigJsonA
       {"\"max_position_embeddings\": 8192", "\"max_position_embeddings\": 12288", "and max_position_embeddings 12288"},
       {"\"mscale\": 0.8", "\"mscale\": \"a\"", "rope_scaling's mscale is not a number"},
   };
-  int n = 0;
-  for (const Case& k : bad) {
-    ptk::testing::WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
-    const std::string out = dir_ / ("out" + std::to_string(n++));
-    auto r = ImportFromHf(Opts("hf", "ptk", hf, out));
-    ASSERT_FALSE(r.ok()) << k.to;
-    const std::string msg(r.status().message());
-    EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
-    EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
-  }
+  ExpectConfigEditsRefused(hf, config, bad);
   // An attention_factor at YaRN's factor 1, where ptk's concentration factor is 1 (plain RoPE's export, edited).
   Saved(dir_ / "ck-rope", /*q_lora=*/true, /*yarn=*/false);
   const std::string plain = dir_ / "hf-rope";

@@ -263,23 +263,12 @@ TEST_F(HfMixtralRoundTrip, PtkToHfToPtkGivesBackEveryWeightBitForBit) {
   }
 }
 
-// config.json with `from` replaced by `to` (the first one), `from` required to be there.
-std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
-  EXPECT_NE(config.find(from), std::string::npos) << from;
-  std::string out = config;
-  if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
-  return out;
-}
-
 TEST_F(HfMixtralRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey) {
   Saved(dir_ / "ck");
   const std::string hf = dir_ / "hf";
   ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
   const std::string config = ptk::testing::ReadFile(hf + "/config.json");
-  struct Case {
-    std::string from, to, why;
-  };
-  const Case bad[] = {
+  const std::vector<ConfigEdit> bad = {
       {"\"sliding_window\": null", "\"sliding_window\": 8",
        "sliding_window 8: ptk's attention is causal over the whole sequence"},
       {"\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.01",
@@ -294,17 +283,7 @@ TEST_F(HfMixtralRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey)
       {"\"num_local_experts\": 4", "\"num_local_experts\": \"4\"", "num_local_experts"},
       {"\"router_aux_loss_coef\": 0.01", "\"router_aux_loss_coef\": -1", "router_aux_loss_coef"},
   };
-  int n = 0;
-  for (const Case& k : bad) {
-    ptk::testing::WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
-    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
-    ASSERT_FALSE(r.ok()) << k.to;
-    const std::string msg(r.status().message());
-    EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
-    EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    EXPECT_FALSE(std::filesystem::exists(dir_ / ("out" + std::to_string(n - 1)) + "/iter_0000000")) << k.to;
-  }
+  ExpectConfigEditsRefused(hf, config, bad);
   // A window no shorter than the positions masks nothing: the same model, with a note.
   ptk::testing::WriteFile(hf + "/config.json", Edited(config, "\"sliding_window\": null", "\"sliding_window\": 16"));
   auto w = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-window"));

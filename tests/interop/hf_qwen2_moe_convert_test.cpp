@@ -227,22 +227,12 @@ TEST_F(HfQwen2MoeRoundTrip, AnUngatedSharedExpertIsRefusedWithNothingWritten) {
   EXPECT_FALSE(std::filesystem::exists(dir_ / "hf"));
 }
 
-std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
-  EXPECT_NE(config.find(from), std::string::npos) << from;
-  std::string out = config;
-  if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
-  return out;
-}
-
 TEST_F(HfQwen2MoeRoundTrip, ImportRefusesWhatPtkCannotComputeAndAMismatchedDirectory) {
   Saved(dir_ / "ck");
   const std::string hf = dir_ / "hf";
   ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
   const std::string config = ptk::testing::ReadFile(hf + "/config.json");
-  struct Case {
-    std::string from, to, why;
-  };
-  const Case bad[] = {
+  const std::vector<ConfigEdit> bad = {
       {"\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window true"},
       {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act \"gelu\""},
       {"\"use_cache\": true", "\"use_cache\": true, \"head_dim\": 8", "head_dim 8 is not hidden_size / "},
@@ -251,18 +241,7 @@ TEST_F(HfQwen2MoeRoundTrip, ImportRefusesWhatPtkCannotComputeAndAMismatchedDirec
       {"\"qkv_bias\": true", "\"qkv_bias\": \"yes\"", "qkv_bias is not true or false"},
       {"\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 5", "leave no layer a mixture of experts"},
   };
-  int n = 0;
-  for (const Case& k : bad) {
-    ptk::testing::WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
-    const std::string out = dir_ / ("out" + std::to_string(n++));
-    auto r = ImportFromHf(Opts("hf", "ptk", hf, out));
-    ASSERT_FALSE(r.ok()) << k.to;
-    const std::string msg(r.status().message());
-    EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
-    EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
-  }
+  ExpectConfigEditsRefused(hf, config, bad);
   // qkv_bias false over weights with biases: the biases are tensors config.json has no place for.
   ptk::testing::WriteFile(hf + "/config.json", Edited(config, "\"qkv_bias\": true", "\"qkv_bias\": false"));
   auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-bias"));

@@ -263,23 +263,12 @@ TEST_F(HfQwen3MoeRoundTrip, ASharedExpertModelIsRefusedWithNothingWritten) {
   EXPECT_FALSE(std::filesystem::exists(dir_ / "hf"));
 }
 
-// config.json with `from` replaced by `to` (the first one), `from` required to be there.
-std::string Edited(const std::string& config, const std::string& from, const std::string& to) {
-  EXPECT_NE(config.find(from), std::string::npos) << from;
-  std::string out = config;
-  if (size_t at = out.find(from); at != std::string::npos) out.replace(at, from.size(), to);
-  return out;
-}
-
 TEST_F(HfQwen3MoeRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey) {
   Saved(dir_ / "ck");
   const std::string hf = dir_ / "hf";
   ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
   const std::string config = ptk::testing::ReadFile(hf + "/config.json");
-  struct Case {
-    std::string from, to, why;
-  };
-  const Case bad[] = {
+  const std::vector<ConfigEdit> bad = {
       {"\"use_sliding_window\": false", "\"use_sliding_window\": true",
        "use_sliding_window true: ptk's attention is causal over the whole sequence"},
       {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act \"gelu\": ptk's gated MLP is SwiGLU's"},
@@ -298,18 +287,7 @@ TEST_F(HfQwen3MoeRoundTrip, ImportRefusesWhatPtkCannotComputeNamingTheFileAndKey
       {"\"model_type\": \"qwen3_moe\"", "\"model_type\": \"deepseek_v2\"",
        "model_type \"deepseek_v2\": ptk reads GPT-2 models"},
   };
-  int n = 0;
-  for (const Case& k : bad) {
-    ptk::testing::WriteFile(hf + "/config.json", Edited(config, k.from, k.to));
-    const std::string out = dir_ / ("out" + std::to_string(n++));
-    auto r = ImportFromHf(Opts("hf", "ptk", hf, out));
-    ASSERT_FALSE(r.ok()) << k.to;
-    const std::string msg(r.status().message());
-    EXPECT_NE(msg.find(k.why), std::string::npos) << msg;
-    EXPECT_EQ(msg.rfind(hf + "/config.json", 0), 0u) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
-  }
+  ExpectConfigEditsRefused(hf, config, bad);
 }
 
 TEST_F(HfQwen3MoeRoundTrip, ImportRefusesAMismatchedOrDamagedDirectoryNamingTheTensor) {
