@@ -294,7 +294,7 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
   return absl::OkStatus();
 }
 // --tensor-model-parallel-size above 1: Megatron's checks (sequence parallelism), the experts split over the tensor
-// ranks (--expert-tensor-parallel-size the tensor size), and what ptk has not checked against Megatron there.
+// ranks (--expert-tensor-parallel-size the tensor size) and their widths divisible by it.
 absl::Status RefuseMoeTensorParallel(const TrainFlags& f) {
   const int64_t tp = f.tensor_model_parallel_size, etp = f.moe.expert_tensor_parallel.value_or(tp);
   const std::string flags = fmt::format("--num-experts {} with --tensor-model-parallel-size {}", f.moe.num_experts, tp);
@@ -316,17 +316,6 @@ absl::Status RefuseMoeTensorParallel(const TrainFlags& f) {
           fmt::format("{} {} is not divisible by --tensor-model-parallel-size {}: each tensor rank "
                       "holds as many of each expert's columns",
                       flag, size, tp));
-  auto refuse = [&](const std::string& what, const std::string& why) {
-    return UsageError(fmt::format("{} with {}: {}", what, flags, why));
-  };
-  if (m.z_loss_coeff.value_or(0) > 0)
-    return refuse("--moe-z-loss-coeff",
-                  "Megatron divides the z-loss's coefficient by the tensor ranks and logs each rank's own; ptk has "
-                  "not checked that against Megatron and refuses it");
-  if (m.capacity_factor.value_or(-1) >= 0)
-    return refuse("--moe-expert-capacity-factor",
-                  "Megatron's capacity counts each tensor rank's own tokens; ptk has not implemented that and "
-                  "refuses it");
   return absl::OkStatus();
 }
 }  // namespace

@@ -247,7 +247,10 @@ absl::Status TrainStep::MeasureGrads(StepResult* r) {
 // --calculate-per-token-loss the loss scale and the micro-batch's tokens (the router's, padding too) over
 // the global batch's loss tokens (`scale`, finalize_model_grads' division).
 double TrainStep::MoeAuxLossScale(const ModelBatch& mb, double scale, double loss_scale, size_t num_micro) const {
-  if (config_.calculate_per_token_loss) return loss_scale * static_cast<double>(mb.b * mb.t) * scale;
+  // Per token: times the router's tokens, Megatron's valid_token_count: under tensor ranks (--sequence-parallel)
+  // each rank's own b x t / T (router.py's attach_and_log_load_balancing_loss and apply_z_loss).
+  if (config_.calculate_per_token_loss)
+    return loss_scale * static_cast<double>(mb.b * mb.t) / model_->tensor_size() * scale;
   const int context = context_ ? context_->size() : 1;
   return loss_scale / (static_cast<double>(num_micro) * (comm_->size() / context));
 }

@@ -338,4 +338,56 @@ TEST(MoeCapacity, TheRouterDropsOverCapacityAndTheGradientsHold) {
 }
 
 }  // namespace
+// Tensor ranks (MoeSettings::shards): Megatron's router runs on each rank's own positions [r·t/T, (r+1)·t/T) of every
+// sample, so the drop of all the gathered rows is each rank's rows dropped alone (the capacity of its own tokens, its
+// own [position, sample] order), and MoeZLossOfShard is the z-loss of one rank's rows alone; the drop differs from
+// one rank's over all the rows.
+TEST(MoeCapacity, TensorRanksDropEachRanksOwnTokens) {
+  const int64_t b = 3, t = 6, T = 2, tl = t / T, n = b * t, c = 4;
+  MoeSettings s;
+  s.experts = 4;
+  s.ffn = 2;
+  s.sample_rows = t;
+  auto x = Random(n * c, 61), w = Random(s.experts * c, 62, 2.0);
+  bool differs = false;
+  for (int score : {0, 2})
+    for (int64_t k : {1, 2})
+      for (bool position : {false, true})
+        for (double factor : {0.5, 1.0}) {
+          s.sigmoid = score == 2;
+          s.topk = k;
+          s.drop_by_position = position;
+          s.capacity_factor = factor;
+          SCOPED_TRACE(::testing::Message()
+                       << "score " << score << " topk " << k << " position " << position << " factor " << factor);
+          MoeActivations<double> whole, one;
+          s.shards = 1;
+          cpu::MoeRouterForward(&one, x.data(), w.data(), n, c, s);
+          s.shards = T;
+          cpu::MoeRouterForward(&whole, x.data(), w.data(), n, c, s);
+          ASSERT_EQ(whole.dropped.size(), static_cast<size_t>(n * k));
+          differs |= whole.dropped != one.dropped;
+          for (int64_t r = 0; r < T; ++r) {
+            std::vector<double> xr;  // rank r's rows: each sample's positions [r·tl, (r+1)·tl)
+            for (int64_t i = 0; i < b; ++i)
+              xr.insert(xr.end(), x.begin() + (i * t + r * tl) * c, x.begin() + (i * t + (r + 1) * tl) * c);
+            MoeSettings sr = s;
+            sr.shards = 1;
+            sr.sample_rows = tl;
+            MoeActivations<double> mine;
+            cpu::MoeRouterForward(&mine, xr.data(), w.data(), b * tl, c, sr);
+            for (int64_t i = 0; i < b; ++i)
+              for (int64_t j = 0; j < tl; ++j)
+                for (int64_t q = 0; q < k; ++q) {
+                  const size_t at = static_cast<size_t>(((i * t + r * tl + j) * k + q)),
+                               got = static_cast<size_t>((i * tl + j) * k + q);
+                  EXPECT_EQ(whole.expert[at], mine.expert[got]);
+                  EXPECT_EQ(whole.dropped[at], mine.dropped.empty() ? 0 : mine.dropped[got]) << "rank " << r;
+                }
+            EXPECT_NEAR(cpu::MoeZLossOfShard(whole, s, r), cpu::MoeZLoss(mine, sr), 1e-12);
+          }
+        }
+  EXPECT_TRUE(differs);
+}
+
 }  // namespace ptk

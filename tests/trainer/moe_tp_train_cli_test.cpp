@@ -4,12 +4,16 @@
 // experts; sigmoid routing with a top-k scaling factor, group-limited routing and a dense layer), and beside 2 data
 // ranks (ZeRO-1), 2 pipeline stages or 2 context ranks; a T = 2 checkpoint
 // (iter_N/mp_rank_00 and mp_rank_01, each rank's expert slices under Megatron's SequentialMLP names) resumes at
-// T = 2 with the uninterrupted run's lines character for character and at T = 1 within 1e-5; the combinations
-// left refused are refused in one line, exit 2.
+// T = 2 with the uninterrupted run's lines character for character and at T = 1 within 1e-5; the z-loss, the
+// seq_aux_loss/global_aux_loss types, the expert bias and the capacity factor as megatron-core 0.16.1 has them at
+// T = 2 (one rank's where Megatron's are, each rank's own tokens' where Megatron's are), resumed bit for bit; the
+// combinations left refused are refused in one line, exit 2.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -39,10 +43,10 @@ class MoeTensorParallelCli : public testing::RanksTest {
            std::to_string(T) + (T > 1 ? " --sequence-parallel" : "") + " --data-path " + ShellQuote(prefix_) +
            " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
   }
-  // The load_balancing_loss of each log line.
-  static std::vector<double> Balancing(const std::string& out) {
+  // The load_balancing_loss of each log line (or another entry's: `name`).
+  static std::vector<double> Balancing(const std::string& out, const std::string& name = "load_balancing_loss") {
     std::vector<double> v;
-    const std::regex re(R"(\| load_balancing_loss: (\S+) \|)");
+    const std::regex re("\\| " + name + R"(: (\S+) \|)");
     for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
       v.push_back(std::stod((*it)[1].str()));
     return v;
@@ -145,6 +149,98 @@ TEST_F(MoeTensorParallelCli, CheckpointsHoldEachRanksSlicesAndResume) {
   EXPECT_EQ(a, b);
 }
 
+// The z-loss, the seq_aux_loss and global_aux_loss types, the expert bias and a capacity no rank's tokens exceed:
+// megatron-core 0.16.1's values at T = 2 are T = 1's (the tokens per expert summed over the tensor group, the losses'
+// totals the whole sequence's, the z-loss's coefficient over T each rank on its own tokens), so T = 2 gives one
+// rank's losses and balancing losses within 1e-5; the z_loss logged is the last tensor rank's own tokens' mean
+// (Megatron tracks it without a reduce group), so not one rank's. With --calculate-per-token-loss Megatron scales
+// the MoE losses' gradients by each rank's own tokens (b x t / T): T = 2 trains as T = 1 with half the coefficients.
+TEST_F(MoeTensorParallelCli, ZLossBalanceTypesExpertBiasAndCapacityTrainAsOneRankDoes) {
+  const std::vector<std::tuple<std::string, std::string, std::vector<std::string>>> models = {
+      {"z-loss", "--moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.01", {"load_balancing_loss"}},
+      {"seq_aux_loss and global_aux_loss",
+       "--swiglu --moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss "
+       "--moe-aux-loss-coeff 0.01 0.02 0.03",
+       {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss"}},
+      {"expert bias",
+       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
+       "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
+       {"seq_load_balancing_loss"}},
+      {"capacity over every rank's tokens",
+       "--moe-expert-capacity-factor 4 --moe-pad-expert-input-to-capacity --moe-aux-loss-coeff 0.01",
+       {"load_balancing_loss"}},
+  };
+  for (const auto& [what, flags, entries] : models) {
+    SCOPED_TRACE(what);
+    auto one = RunCmd(Train(1, flags));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const auto ref = Losses(one.output);
+    ASSERT_EQ(ref.size(), 6u) << one.output;
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, flags), ref, 6, 1e-5, what + " T=2", &out));
+    for (const std::string& entry : entries) {
+      const auto b1 = Balancing(one.output, entry), b2 = Balancing(out, entry);
+      ASSERT_EQ(b1.size(), 6u) << entry << "\n" << one.output;
+      ASSERT_EQ(b2.size(), 6u) << entry << "\n" << out;
+      for (size_t i = 0; i < b1.size(); ++i) EXPECT_NEAR(b2[i], b1[i], 1e-5 * b1[i]) << entry << " line " << i;
+    }
+    if (what != "z-loss") continue;
+    const auto z1 = Balancing(one.output, "z_loss"), z2 = Balancing(out, "z_loss");
+    ASSERT_EQ(z2.size(), 6u) << out;
+    for (size_t i = 0; i < z2.size(); ++i) {
+      EXPECT_GT(z2[i], 0.0);
+      EXPECT_GT(std::abs(z2[i] - z1[i]), 1e-5 * z1[i]) << "line " << i << ": the last tensor rank's tokens' own";
+    }
+  }
+  const std::string per_token = " --calculate-per-token-loss --moe-router-load-balancing-type aux_loss seq_aux_loss";
+  auto one = RunCmd(Train(1, "--moe-z-loss-coeff 0.01 --moe-aux-loss-coeff 0.01 0.01" + per_token));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(2, Train(2, "--moe-z-loss-coeff 0.02 --moe-aux-loss-coeff 0.02 0.02" + per_token),
+                      Losses(one.output), 6, 1e-5, "per-token T=2, coefficients x 2", &out));
+  auto same = RunCmd(Train(1, "--moe-z-loss-coeff 0.02 --moe-aux-loss-coeff 0.02 0.02" + per_token));
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_GT(Worst(Losses(same.output), Losses(one.output)), 1e-5);  // the coefficients do move the losses
+}
+
+// A capacity that drops: each tensor rank's tokens dropped as its own router would (moe_ops_test's
+// TensorRanksDropEachRanksOwnTokens), so not one rank's losses; with every feature above a stopped T = 2 run resumes
+// bit for bit. Without the capacity the T = 2 checkpoint's expert biases (whole on every rank) resume at T = 1 within
+// 1e-5 of one rank's losses.
+TEST_F(MoeTensorParallelCli, TheFeaturesResumeBitForBitAndTheBiasReshards) {
+  const std::string bias =
+      "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
+      "--moe-z-loss-coeff 0.01 --moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss "
+      "--moe-aux-loss-coeff 0.01 0.01 0.01";
+  const std::string drops = " --moe-expert-capacity-factor 1 --moe-token-drop-policy position";
+  auto one = RunCmd(Train(1, bias + drops));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = Ranks(2, Train(2, bias + drops));
+  ASSERT_NE(two.output.find(AllZero(2)), std::string::npos) << two.output << Logs(2);
+  ASSERT_EQ(Losses(two.output).size(), 6u) << two.output;
+  EXPECT_GT(Worst(Losses(two.output), Losses(one.output)), 1e-5) << "each rank's capacity is not one rank's";
+  const auto train = [&](const std::string& extra) { return Train(2, bias + drops + " " + extra, 20); };
+  ASSERT_NO_FATAL_FAILURE(
+      StopAndResumeAtTheSameSize(2, train, "[ t 1/2, p 1/1 ]", {"mp_rank_00", "mp_rank_01"}, "mp_rank_02"));
+  for (const char* mp : {"mp_rank_00", "mp_rank_01"}) {
+    auto text = ReadCheckpointHeaderText(dir_ / ("ck1/iter_0000010/" + std::string(mp) + "/model_optim_rng.ptk"));
+    ASSERT_TRUE(text.ok()) << text.status();
+    EXPECT_NE(text->find("decoder.layers.1.mlp.router.expert_bias"), std::string::npos) << mp;
+  }
+  const std::string reshard = dir_ / "reshard";
+  auto stopped = Ranks(2, Train(2, bias + " --exit-interval 10 --save " + ShellQuote(reshard), 20));
+  ASSERT_NE(stopped.output.find(AllZero(2)), std::string::npos) << stopped.output << Logs(2);
+  auto whole = RunCmd(Train(1, bias, 20));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto t1 = RunCmd(Train(1, bias + " --load " + ShellQuote(reshard), 20));
+  ASSERT_EQ(t1.exit_code, 0) << t1.output;
+  ASSERT_EQ(Losses(t1.output).size(), 10u) << t1.output;
+  EXPECT_LT(Worst(Losses(t1.output), Losses(whole.output)), 1e-5);
+  std::printf("T=2 expert-bias checkpoint resumed at T=1: %.3g largest relative difference from one rank's losses\n",
+              Worst(Losses(t1.output), Losses(whole.output)));
+}
+
 TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
   const std::string base = testing::Tool("ptk-train") +
                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
@@ -163,14 +259,11 @@ TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
        "usage error: --moe-ffn-hidden-size 47 is not divisible by --tensor-model-parallel-size 2"},
       {tp + " --sequence-parallel --moe-shared-expert-intermediate-size 33",
        "usage error: --moe-shared-expert-intermediate-size 33 is not divisible by --tensor-model-parallel-size 2"},
-      {tp + " --sequence-parallel --moe-z-loss-coeff 0.01",
-       "usage error: --moe-z-loss-coeff with --num-experts 4 with --tensor-model-parallel-size 2: Megatron divides"},
-      {tp + " --sequence-parallel --moe-expert-capacity-factor 1",
-       "usage error: --moe-expert-capacity-factor with --num-experts 4 with --tensor-model-parallel-size 2:"},
-      {tp + " --sequence-parallel --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
-       "usage error: --moe-router-load-balancing-type seq_aux_loss with --tensor-model-parallel-size 2: ptk has not"},
-      {tp + " --sequence-parallel --moe-router-score-function sigmoid --moe-router-enable-expert-bias",
-       "usage error: --moe-router-enable-expert-bias with --tensor-model-parallel-size 2: ptk has not"},
+      {tp + " --sequence-parallel --moe-z-loss-coeff 0.01 --context-parallel-size 2",
+       "usage error: --moe-z-loss-coeff with --context-parallel-size 2: Megatron divides"},
+      {tp + " --sequence-parallel --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+            "--context-parallel-size 2",
+       "usage error: --moe-router-enable-expert-bias with --context-parallel-size 2: Megatron sums"},
       {tp + " --sequence-parallel --expert-model-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
       {tp + " --sequence-parallel --device cuda", "usage error: --num-experts 4 on --device cuda"},

@@ -28,6 +28,7 @@ cpu::MoeSettings MoeSettingsOf(const GPTConfig& cf, int64_t tensor_size) {
   s.group_topk = cf.moe_router_group_topk;
   s.capacity_factor = cf.moe_expert_capacity_factor;
   s.drop_by_position = cf.moe_token_drop_position;
+  s.shards = tensor_size;  // each tensor rank's positions routed as its own tokens (--sequence-parallel)
   s.activation = cf.swiglu         ? cpu::MlpActivation::kSwiglu
                  : cf.squared_relu ? cpu::MlpActivation::kSquaredRelu
                  : cf.gelu_exact   ? cpu::MlpActivation::kGeluExact
@@ -60,7 +61,10 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, const 
                              cpu_model_detail::At(P, lp.shared_gate), n, cf.hidden_size,
                              cpu_model_detail::SharedExpertSettingsOf(cf, tensor_size()));
   // Megatron tracks (and injects) the z-loss and the load-balancing loss only in training passes with a coefficient.
-  if (train && cf.moe_z_loss_coeff > 0) moe_z_sum_ += cpu::MoeZLoss(m, s);
+  // Under tensor ranks Megatron logs the last tensor rank's own mean (its z-loss is tracked without a reduce group;
+  // the last rank prints), while the gradient, the coefficient over the ranks each on its own tokens, is the whole's.
+  if (train && cf.moe_z_loss_coeff > 0)
+    moe_z_sum_ += tp() ? cpu::MoeZLossOfShard(m, s, s.shards - 1) : cpu::MoeZLoss(m, s);
   if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
   if (cp()) {  // the experts' token counts over the whole sequence (Megatron's over the tensor x context group)
     std::vector<double> counts(static_cast<size_t>(s.experts) + 1);

@@ -140,6 +140,33 @@ void SigmoidRouterBackward(T* dz, const MoeActivations<T>& a, int64_t i, const T
   for (int64_t e = 0; e < E; ++e) dz[e] += ds[e] * g[e] * (T{1} - g[e]);
 }
 
+// Tensor ranks' token dropping (MoeSettings::shards): each rank's rows (its positions of every sample) dropped as
+// one rank's router would, with the capacity of its own tokens; a->dropped assigned for all rows. Returns the count.
+template <typename T>
+int64_t DropOverShardCapacity(MoeActivations<T>* a, const MoeSettings& s) {
+  const int64_t n = a->n, E = s.experts, K = s.topk, t = s.sample_rows > 0 ? s.sample_rows : n, tl = t / s.shards,
+                b = n / t, nl = b * tl;
+  const int64_t capacity = MoeExpertCapacity(nl, K, E, s.capacity_factor);
+  a->dropped.assign(static_cast<size_t>(n * K), 0);
+  std::vector<T> prob(static_cast<size_t>(nl * K));
+  std::vector<int32_t> expert(static_cast<size_t>(nl * K));
+  std::vector<uint8_t> dropped;
+  int64_t count = 0;
+  auto row = [&](int64_t r, int64_t j) { return j / tl * t + r * tl + j % tl; };  // shard r's row j: sample, position
+  for (int64_t r = 0; r < s.shards; ++r) {
+    for (int64_t j = 0; j < nl; ++j)
+      for (int64_t k = 0; k < K; ++k) {
+        prob[static_cast<size_t>(j * K + k)] = a->prob[static_cast<size_t>(row(r, j) * K + k)];
+        expert[static_cast<size_t>(j * K + k)] = a->expert[static_cast<size_t>(row(r, j) * K + k)];
+      }
+    count += MoeDropOverCapacity(&dropped, prob.data(), expert.data(), nl, K, E, capacity, s.drop_by_position, tl);
+    for (int64_t j = 0; j < nl; ++j)
+      for (int64_t k = 0; k < K; ++k)
+        a->dropped[static_cast<size_t>(row(r, j) * K + k)] = dropped[static_cast<size_t>(j * K + k)];
+  }
+  return count;
+}
+
 // With a capacity factor: the slots over each expert's capacity marked in a->dropped; the load-balancing loss
 // then counts the routing before the drop (group_count, unless group-limited routing filled it already).
 template <typename T>
@@ -147,9 +174,10 @@ void DropOverCapacity(MoeActivations<T>* a, const MoeSettings& s) {
   a->dropped.clear();
   if (s.capacity_factor < 0) return;
   const int64_t n = a->n, E = s.experts, K = s.topk;
-  const int64_t capacity = MoeExpertCapacity(n, K, E, s.capacity_factor);
-  if (MoeDropOverCapacity(&a->dropped, a->prob.data(), a->expert.data(), n, K, E, capacity, s.drop_by_position,
-                          s.sample_rows > 0 ? s.sample_rows : n) == 0 ||
+  if ((s.shards > 1 ? DropOverShardCapacity(a, s)
+                    : MoeDropOverCapacity(&a->dropped, a->prob.data(), a->expert.data(), n, K, E,
+                                          MoeExpertCapacity(n, K, E, s.capacity_factor), s.drop_by_position,
+                                          s.sample_rows > 0 ? s.sample_rows : n)) == 0 ||
       !a->group_count.empty())
     return;
   a->group_count.assign(static_cast<size_t>(E), 0.0);
@@ -251,6 +279,20 @@ double MoeZLoss(const MoeActivations<T>& a, const MoeSettings& s) {
     sum += static_cast<double>(lse * lse);
   }
   return a.n > 0 ? sum / static_cast<double>(a.n) : 0.0;
+}
+
+template <typename T>
+double MoeZLossOfShard(const MoeActivations<T>& a, const MoeSettings& s, int64_t shard) {
+  const int64_t E = s.experts, t = s.sample_rows > 0 ? s.sample_rows : a.n, tl = t / s.shards;
+  double sum = 0;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < a.n; ++i) {
+    if (i % t / tl != shard) continue;
+    const T lse = LogSumExp(a.logits.data() + i * E, E);
+    sum += static_cast<double>(lse * lse);
+    ++rows;
+  }
+  return rows > 0 ? sum / static_cast<double>(rows) : 0.0;
 }
 
 template <typename T>
@@ -387,6 +429,7 @@ void MoeBackward(T* dx, T* dw_router, T* dw_experts, const T* dout, MoeActivatio
   template void MoeRouterForward<T>(MoeActivations<T>*, const T*, const T*, int64_t, int64_t, const MoeSettings&); \
   template double MoeAuxLoss<T>(const MoeActivations<T>&, const MoeSettings&);                                     \
   template double MoeZLoss<T>(const MoeActivations<T>&, const MoeSettings&);                                       \
+  template double MoeZLossOfShard<T>(const MoeActivations<T>&, const MoeSettings&, int64_t);                       \
   template void MoeExpertsForward<T>(T*, MoeActivations<T>*, const T*, int64_t, const MoeSettings&);               \
   template void MoeBackward<T>(T*, T*, T*, const T*, MoeActivations<T>*, const T*, const T*, const T*, int64_t,    \
                                const MoeSettings&, double, double);

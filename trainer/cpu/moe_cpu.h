@@ -42,6 +42,10 @@ struct MoeSettings {
   double capacity_factor = -1;
   bool drop_by_position = false;
   int64_t sample_rows = 0;
+  // Tensor ranks (--sequence-parallel): Megatron's router sees each rank's own positions [r·t/T, (r+1)·t/T) of
+  // every sample (t = sample_rows), so each of the `shards` ranks' rows takes its own capacity from its own tokens
+  // and drops in its own token order (router.py's apply_router_token_dropping on the local hidden states).
+  int64_t shards = 1;
   int64_t fc1_rows() const { return (activation == MlpActivation::kSwiglu ? 2 : 1) * ffn; }
   // One expert's fc1 (fc1_rows, c) then fc2 (c, ffn) weights: the experts lie one after another.
   int64_t expert_floats(int64_t c) const { return fc1_rows() * c + c * ffn; }
@@ -103,6 +107,10 @@ double MoeAuxLoss(const MoeActivations<T>& a, const MoeSettings& s);
 // tokens of logsumexp(logits)^2.
 template <typename T>
 double MoeZLoss(const MoeActivations<T>& a, const MoeSettings& s);
+// The same mean over one tensor rank's rows only (positions [shard·t/shards, (shard+1)·t/shards) of each sample of
+// t = s.sample_rows rows): the z-loss Megatron logs under tensor ranks, each rank's own (router.py's apply_z_loss).
+template <typename T>
+double MoeZLossOfShard(const MoeActivations<T>& a, const MoeSettings& s, int64_t shard);
 // The experts: out (n, c) assigned, from x (n, c) and the experts' weights (E x expert_floats).
 template <typename T>
 void MoeExpertsForward(T* out, MoeActivations<T>* a, const T* w_experts, int64_t c, const MoeSettings& s);
