@@ -73,12 +73,10 @@ absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, int64_t
   if (BoolAttr(args, "mla_down_proj_fusion", false))
     why.push_back("--mla-down-proj-fusion (the down projections fused into one tensor)");
   if (tp > 1) why.push_back(fmt::format("tensor-parallel size {} (ptk's MLA runs on one tensor rank)", tp));
-  if (BoolAttr(args, "use_distributed_optimizer", false))
-    why.push_back("--use-distributed-optimizer (distrib_optim.pt's layout of MLA is not checked; save without it)");
   if (why.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(fmt::format(
       "{}: the multi-latent attention model was saved with {}: ptk reads megatron-core's MLASelfAttention at "
-      "tensor-parallel size 1 with the plain optimizer, --rope-type rope or yarn",
+      "tensor-parallel size 1, --rope-type rope or yarn",
       source, fmt::join(why, ", ")));
 }
 
@@ -89,11 +87,6 @@ absl::Status CheckMlaExport(const ConvertOptions& o, const GPTConfig& c, const s
         "{}: a multi-latent attention model with --target-tensor-parallel-size {}: ptk-convert writes MLA at "
         "tensor-parallel size 1 only (pipeline stages are fine)",
         file, o.target_tensor_parallel_size));
-  if (o.target_use_distributed_optimizer)
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: a multi-latent attention model: --target-use-distributed-optimizer is not written for MLA yet (the "
-        "plain optimizer's state is: leave the flag out, and resume Megatron without --use-distributed-optimizer)",
-        file));
   return absl::OkStatus();
 }
 

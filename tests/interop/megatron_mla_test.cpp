@@ -6,8 +6,9 @@
 // bit under both specs at pipeline sizes 1 and 2, with and without a q latent, with DeepSeek-style experts; the names
 // and shapes written are megatron-core's own (tests/data/interop/mla_megatron_names.txt, written by
 // tests/support/check_mla_export_with_megatron_core.py, which also loads the export in megatron-core and compares its
-// logits with ptk's); what is not supported (tensor-parallel MLA, the distributed optimizer, torch_dist, YaRN settings
-// other than megatron-core's defaults, MTP) and a checkpoint whose tensors disagree with its args are refused.
+// logits with ptk's); the distributed optimizer's distrib_optim.pt both ways; what is not supported (tensor-parallel
+// MLA, torch_dist, YaRN settings other than megatron-core's defaults, MTP) and a checkpoint whose tensors disagree
+// with its args are refused.
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -341,7 +342,7 @@ TEST_F(MegatronMla, PtkToMegatronToPtkIsBitForBit) {
       }
 }
 
-TEST_F(MegatronMla, ExportRefusesTensorParallelAndTheDistributedOptimizer) {
+TEST_F(MegatronMla, ExportRefusesTensorParallel) {
   testing::TempDir dir;
   ASSERT_NO_FATAL_FAILURE(Save(Mla("lora_yarn"), dir / "ck"));
   ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
@@ -352,14 +353,36 @@ TEST_F(MegatronMla, ExportRefusesTensorParallelAndTheDistributedOptimizer) {
                                       "ptk-convert writes MLA at tensor-parallel size 1 only"),
             std::string::npos)
       << s.status();
-  o.target_tensor_parallel_size = 1;
-  o.target_use_distributed_optimizer = true;
-  s = ExportToMegatron(o);
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("--target-use-distributed-optimizer is not written for MLA yet"),
-            std::string::npos)
-      << s.status();
   EXPECT_FALSE(std::filesystem::exists(dir / "meg/iter_0000004"));
+}
+
+// The distributed optimizer's distrib_optim.pt (megatron-core's grad buffer in named_parameters' reverse order, as
+// check_mla_export_with_megatron_core.py loads it): ptk -> megatron -> ptk bit for bit from the fp32 params and
+// moments there, both specs, pipeline sizes 1 and 2.
+TEST_F(MegatronMla, DistributedOptimizerGoesPtkToMegatronToPtkBitForBit) {
+  for (const std::string name : {"lora_yarn", "plain_rope"})
+    for (int64_t pp : {1, 2})
+      for (const char* impl : {"transformer_engine", "local"}) {
+        SCOPED_TRACE(::testing::Message() << name << " pp " << pp << " " << impl);
+        testing::TempDir dir;
+        ASSERT_NO_FATAL_FAILURE(Save(Mla(name), dir / "ck"));
+        ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
+        o.saver_transformer_impl = impl;
+        o.target_pipeline_parallel_size = pp;
+        o.target_use_distributed_optimizer = true;
+        auto s = ExportToMegatron(o);
+        ASSERT_TRUE(s.ok()) << s.status();
+        ASSERT_TRUE(std::filesystem::exists(
+            dir / ("meg/iter_0000004/" + megatron::RankDir(0, pp - 1, pp) + "/distrib_optim.pt")));
+        auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
+        ASSERT_TRUE(back.ok()) << back.status();
+        auto ck = LoadPtkCheckpoint(dir / "back", 0, false, /*with_optimizer=*/true);
+        ASSERT_TRUE(ck.ok()) << ck.status();
+        EXPECT_TRUE(ck->params == params_);
+        EXPECT_TRUE(ck->m1 == m1_);
+        EXPECT_TRUE(ck->m2 == m2_);
+        EXPECT_EQ(ck->state.adam_step, 4);
+      }
 }
 
 // A Megatron MLA checkpoint whose tensors disagree with its args (kv_lora_rank 8 for a latent of 16; q_lora_rank None
@@ -416,7 +439,6 @@ TEST_F(MegatronMla, ImportRefusesWhatPtksMlaDoesNotRead) {
       {{{"yarn_original_max_position_embeddings", torchfmt::MakeInt(8192)}},
        "args.yarn_original_max_position_embeddings 8192 (ptk's YaRN: 4096)"},
       {{{"mla_down_proj_fusion", torchfmt::MakeBool(true)}}, "--mla-down-proj-fusion"},
-      {{{"use_distributed_optimizer", torchfmt::MakeBool(true)}}, "--use-distributed-optimizer"},
       {{{"mtp_num_layers", torchfmt::MakeInt(1)}}, "--mtp-num-layers 1"},
   };
   for (const auto& [set, message] : cases) {

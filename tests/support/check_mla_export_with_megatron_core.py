@@ -23,7 +23,10 @@ gen_mla_golden.mla_core_attention gives it them, the local attention's own math)
     Adam's step the run's 4);
   - megatron-core's logits on 2 sequences equal ptk's (logits_tool on the ptk checkpoint) within TOL = 1e-4 (fp32
     both; the summation orders differ; measured 1.7e-6, 1.4e-6 and 1.7e-6 on logits up to 2.9, 3.1 and 3.4);
-  - `ptk-convert --loader megatron` reads the export back to the same logits, bit for bit.
+  - `ptk-convert --loader megatron` reads the export back to the same logits, bit for bit;
+  - the dense cases exported again with --target-use-distributed-optimizer: megatron-core's DistributedOptimizer
+    loads model_optim_rng.pt's optimizer and distrib_optim.pt, and every parameter's fp32 main param and moments are
+    the ptk checkpoint's bit for bit (check_distopt).
 It also writes the names megatron-core's state_dict has for each case (tests/data/interop/mla_megatron_names.txt:
 "case kind name shape", kind param / buffer / extra, in state_dict order), which tests/interop/megatron_mla_test.cpp
 compares ptk's export with (CI cannot run megatron-core).
@@ -105,7 +108,7 @@ def config_from_args(torch, a):
     return MLATransformerConfig(**kw)
 
 
-def build(torch, a):
+def build(torch, a, distopt=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -119,11 +122,54 @@ def build(torch, a):
                    max_sequence_length=a.max_position_embeddings, position_embedding_type=a.position_embedding_type,
                    rotary_percent=a.rotary_percent, rotary_base=a.rotary_base,
                    share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights)
-    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    if distopt:  # Megatron-LM's load_checkpoint loads the weights before get_model's DDP wraps them (strict)
+        gpt.load_state_dict(torch.load(distopt, weights_only=False)["model"], strict=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=bool(distopt),
+                                               overlap_grad_reduce=a.overlap_grad_reduce,
+                                               bucket_size=getattr(a, "ddp_bucket_size", None))
+    model = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=gpt)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad), [model])
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, use_distributed_optimizer=bool(distopt)),
+        [model])
     return gpt, opt
+
+
+def check_distopt(torch, name, tmp):
+    """`name`'s run exported with --target-use-distributed-optimizer: megatron-core's DistributedOptimizer loads
+    model_optim_rng.pt's optimizer and distrib_optim.pt as Megatron-LM's load_checkpoint does (the step set aside
+    around load_parameter_state as check_distopt_export_with_megatron_core.py explains), and every parameter's fp32
+    main param, exp_avg and exp_avg_sq equal the ptk checkpoint's bit for bit, Adam's step too."""
+    from check_distopt_export_with_megatron_core import read_ptk
+    ck, meg = os.path.join(tmp, name + "-ck"), os.path.join(tmp, name + "-meg-distopt")
+    run([os.path.join(BIN, "ptk-convert"), "--loader", "ptk", "--saver", "megatron", "--load-dir", ck, "--save-dir",
+         meg, "--saver-transformer-impl", "local", "--target-use-distributed-optimizer"])
+    rank_dir = os.path.join(meg, "iter_0000004", "mp_rank_00")
+    sd = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), weights_only=False)
+    gpt, opt = build(torch, sd["args"], distopt=os.path.join(rank_dir, "model_optim_rng.pt"))
+    opt.load_state_dict(sd["optimizer"])
+    dopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    steps = {p: st.pop("step") for p, st in dopt.optimizer.state.items()}
+    with torch.no_grad():
+        opt.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    for p, step in steps.items():
+        dopt.optimizer.state[p]["step"] = step
+    want, want_step = read_ptk(ck)
+    bad, checked = [], 0
+    for n, param in gpt.named_parameters():
+        st = dopt._get_main_param_and_optimizer_states(param)
+        w = want[n]
+        for k, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
+            got = st[key].detach().reshape(param.shape).numpy()
+            rows = min(got.shape[0], w[k].shape[0])  # the vocabulary: ptk's 512 rows, as padded
+            if got.shape != w[k].shape or got[:rows].tobytes() != w[k][:rows].tobytes():
+                bad.append("{} {}".format(n, key))
+        if float(st["step"]) != want_step:
+            bad.append("{}: Adam step {}, ptk's {}".format(n, float(st["step"]), want_step))
+        checked += 1
+    check(not bad and checked == len(want), "{}: --target-use-distributed-optimizer: megatron-core's "
+          "DistributedOptimizer loads distrib_optim.pt; {} parameters' fp32 params and moments are ptk's bit for bit, "
+          "step {}{}".format(name, checked, want_step, "" if not bad else " (differ: " + ", ".join(bad[:5]) + ")"))
 
 
 def ptk_logits(numpy, ck, tmp):
@@ -203,6 +249,8 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for name, flags in CASES.items():
                 check_case(torch, numpy, name, flags, tmp, names)
+                if name != "deepseek":  # MoE models are not written with the distributed optimizer yet
+                    check_distopt(torch, name, tmp)
     if NAMES_OUT and not failures:
         with open(NAMES_OUT, "w") as f:
             f.write("# megatron-core 0.16.1's state_dict of ptk's MLA test models (local spec): case kind name shape.\n"
