@@ -532,7 +532,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
                        LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
-  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: tensor-parallel size 1, the plain optimizer
+  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: tensor-parallel size 1
   if (c.moe() && o.target_use_distributed_optimizer)   // megatron-core's grad buffers of experts: not checked yet
     return absl::FailedPreconditionError(fmt::format(
         "{}: a mixture-of-experts model (--num-experts {}): --target-use-distributed-optimizer is not written for "
