@@ -461,6 +461,20 @@ struct Import {
   }
 };
 
+// Whether the shards hold Transformer Engine's layer names (the norms fused into the linear layers) or the local
+// spec's: the first layer's input norm in linear_qkv. MLA keeps its input norm apart under either spec: TE's names
+// are then the norms fused into linear_fc1 or into the latents' up projections, wherever a layer has one (where none
+// has, both specs' names are the same).
+bool TransformerEngineNames(const Shards& sh, const GPTConfig& c) {
+  if (sh.files[0][0].models[0]->Get("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")) return true;
+  for (const auto& row : sh.files)
+    for (const RankFile& rf : row)
+      for (const PyValue* m : rf.models)
+        for (const auto& [k, v] : m->dict)
+          if (c.mla() && k->kind == PyValue::Kind::kStr && k->s.ends_with(".layer_norm_weight")) return true;
+  return false;
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
@@ -539,7 +553,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
         return Bad(rf.reader->path(), fmt::format("its model chunks differ from the first file's ({})",
                                                   im.vp > 1 ? fmt::format("model0..model{}", im.vp - 1) : "model"));
     }
-  im.te = sh.files[0][0].models[0]->Get("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") != nullptr;
+  im.te = TransformerEngineNames(sh, s.config);
   im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp * im.vp > 1;
   PTK_RETURN_IF_ERROR(im.CheckRanks());
   PTK_RETURN_IF_ERROR(im.CheckTiedCopy());

@@ -1,6 +1,7 @@
 // What the Megatron checkpoint readers share: names, splits, args, the ptk checkpoint written.
 #include "interop/megatron_common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -56,7 +57,18 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
       };
       // A mixture of experts' layer keeps its pre-MLP norm apart (TENorm: no linear_fc1 to fuse it into).
       auto te = c.moe_layer(l) && rest.rfind("pre_mlp_layernorm.", 0) == 0 ? kTe.end() : kTe.find(rest);
-      m.te_name = te == kTe.end() ? m.local_name : fmt::format("decoder.layers.{}.{}", l % per_stage, te->second);
+      // MLA's TE spec: the input norm a TENorm of its own (no linear_qkv), the latents' norms fused into the up
+      // projections (TELayerNormColumnParallelLinear, with --qk-layernorm).
+      static const std::map<std::string, std::string> kMlaTe = {
+          {"self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"},
+          {"self_attention.q_layernorm.bias", "self_attention.linear_q_up_proj.layer_norm_bias"},
+          {"self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"},
+          {"self_attention.kv_layernorm.bias", "self_attention.linear_kv_up_proj.layer_norm_bias"},
+      };
+      std::string te_rest = te == kTe.end() ? rest : te->second;
+      if (c.mla() && rest.rfind("input_layernorm.", 0) == 0) te_rest = rest;
+      if (auto mla = kMlaTe.find(rest); c.mla() && mla != kMlaTe.end()) te_rest = mla->second;
+      m.te_name = fmt::format("decoder.layers.{}.{}", l % per_stage, te_rest);
       // SequentialMLP's experts (one expert rank): each an MLP split over the tensor ranks as the dense one;
       // the router (mlp.router.weight) whole on every rank.
       static const std::regex kExpert(R"(mlp\.experts\.local_experts\.\d+\.(linear_fc1|linear_fc2)\.weight)");
@@ -142,13 +154,34 @@ std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int
   std::vector<const MegParam*> layer, proj;
   std::string current;
   auto flush = [&] {
+    // Multi-latent attention (MLASelfAttention): linear_proj before its projections, after the input norm (a module
+    // of its own under either spec); under TE's names each latent norm is its up projection's (layer_norm_weight
+    // and layer_norm_bias registered before its weight).
+    auto has = [](const MegParam* q, const char* part) { return q->info->name.find(part) != std::string::npos; };
+    const bool mla =
+        std::any_of(layer.begin(), layer.end(), [&](const MegParam* q) { return has(q, ".linear_kv_down_proj."); });
+    if (mla && te) {
+      std::vector<const MegParam*> ordered;
+      constexpr const char* kNorms[2][2] = {{".self_attention.q_layernorm.", ".linear_q_up_proj.weight"},
+                                            {".self_attention.kv_layernorm.", ".linear_kv_up_proj.weight"}};
+      for (const MegParam* q : layer) {
+        for (const auto& [norm, up] : kNorms)
+          if (has(q, up))
+            for (const MegParam* n : layer)
+              if (has(n, norm)) ordered.push_back(n);
+        if (!has(q, kNorms[0][0]) && !has(q, kNorms[1][0])) ordered.push_back(q);
+      }
+      layer = std::move(ordered);
+    }
     size_t at = 0;
     while (at < layer.size()) {
       std::smatch m;
       const std::string& name = layer[at]->info->name;
       std::regex_match(name, m, kLayer);
       const std::string rest = m[2].str();
-      if (rest.rfind("self_attention.linear_qkv.", 0) == 0 || (te && rest.rfind("input_layernorm.", 0) == 0)) break;
+      if (rest.rfind("self_attention.linear_qkv.", 0) == 0 || (te && !mla && rest.rfind("input_layernorm.", 0) == 0) ||
+          (mla && rest.rfind("self_attention.linear_q", 0) == 0))
+        break;
       ++at;
     }
     for (size_t i = 0; i < layer.size(); ++i) {
@@ -314,6 +347,8 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   c.qk_layernorm = BoolAttr(args, "qk_layernorm", false);
   if (BoolAttr(args, "qk_l2_norm", false)) unsupported.push_back("--qk-l2-norm");
   if (BoolAttr(args, "attention_output_gate", false)) unsupported.push_back("--attention-output-gate");
+  if (auto mtp = NumAttr(args, "mtp_num_layers"); mtp && *mtp > 0)  // its mtp.layers.* tensors
+    unsupported.push_back(fmt::format("--mtp-num-layers {}", *mtp));
   c.squared_relu = BoolAttr(args, "squared_relu", false);
   if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
   c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);
@@ -327,6 +362,7 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
         "--disable-bias-linear, --qk-layernorm, --squared-relu, --apply-layernorm-1p)",
         source, fmt::join(unsupported, ", ")));
   PTK_RETURN_IF_ERROR(ReadMoeArgs(args, source, tp, &c));  // --num-experts: ptk's MoE layers
+  PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, tp, &c));  // --multi-latent-attention
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;
@@ -498,6 +534,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     state.settings.emplace_back("--calculate-per-token-loss", per_token ? "on" : "off");
   if (!optimizer_state && !s->release) state.settings.emplace_back(kOptimizerStateSetting, "none");
   AddMoeSettings(c, &state.settings);
+  AddMlaSettings(c, &state.settings);
   SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
   PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
@@ -524,6 +561,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
   if (c.squared_relu) s->train_flags += " --squared-relu";
   s->train_flags += MoeTrainFlags(c);
+  s->train_flags += MlaTrainFlags(c);
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -126,6 +127,20 @@ absl::Status ReadMoeArgs(const PyValue* args, const std::string& source, int64_t
 // An imported MoE model's settings (as ptk-train records them) and ptk-train's flags for it ("" when dense).
 void AddMoeSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
 std::string MoeTrainFlags(const GPTConfig& c);
+
+// Megatron's multi-latent attention (interop/megatron_mla.cpp). SetMlaArgs: args.multi_latent_attention and, for an
+// MLA model `c`, MLATransformerConfig's args (q_lora_rank None or a rank, kv_lora_rank, qk_head_dim,
+// qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim) into `a`. ReadMlaArgs:
+// those args into `c` (nothing without args.multi_latent_attention), what ptk's MLA does not compute or read (YaRN
+// settings other than megatron-core's defaults, fused down projections, tensor-parallel size `tp` above 1) refused
+// naming `source`. CheckMlaExport: what the export does not write for an MLA model (tensor-parallel targets), refused
+// naming `file`. AddMlaSettings / MlaTrainFlags: an
+// imported MLA model's settings (as ptk-train records them) and ptk-train's flags for it ("" without MLA).
+void SetMlaArgs(const GPTConfig& c, PyValue* a);
+absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c);
+absl::Status CheckMlaExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file);
+void AddMlaSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
+std::string MlaTrainFlags(const GPTConfig& c);
 
 // A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
 // (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins unless `release`).

@@ -294,6 +294,11 @@ class DistImport {
         std::max<int64_t>(1, static_cast<int64_t>(NumAttr(args_, "virtual_pipeline_model_parallel_size").value_or(1)));
     saved_tp_ = static_cast<int64_t>(NumAttr(args_, "tensor_model_parallel_size").value_or(1));
     saved_pp_ = static_cast<int64_t>(NumAttr(args_, "pipeline_model_parallel_size").value_or(1));
+    if (BoolAttr(args_, "multi_latent_attention", false))  // MLA's sharded keys are not read yet
+      return absl::FailedPreconditionError(fmt::format(
+          "{}: a multi-latent attention model (--multi-latent-attention) in the torch_dist format: ptk-convert reads "
+          "MLA checkpoints in the torch format only (save with --ckpt-format torch)",
+          common_));
     PTK_ASSIGN_OR_RETURN(model_, ModelFromArgs(args_, common_, o_, saved_tp_));
     if (model_.config.moe())  // its experts' sharded keys are not read yet
       return absl::FailedPreconditionError(fmt::format(

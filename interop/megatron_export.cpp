@@ -180,10 +180,12 @@ struct Export {
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
       // Megatron's linear layers carry an (empty) extra state, after their last parameter (the bias, or
       // the weight of a layer without one).
-      static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.(weight|bias))");
+      // MLA's projections (linear_q_proj, linear_q_down_proj, ..., linear_kv_up_proj) have no bias.
+      static const std::regex kLinear(
+          R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_(q|kv)[a-z_]*_proj))\.(weight|bias))");
       std::smatch mm;
       if (std::regex_match(pd.name, mm, kLinear) &&
-          (mm[3] == "bias") == (mm[2] == "linear_qkv" ? c.qkv_bias() : c.add_bias_linear)) {
+          (mm[4] == "bias") == (mm[2] == "linear_qkv" ? c.qkv_bias() : !mm[3].matched && c.add_bias_linear)) {
         if (te && mm[2] == "linear_proj") extra(mm[1].str().substr(0, mm[1].str().size() - 11) + "core_attention");
         extra(mm[1].str());
       }
@@ -530,12 +532,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
                        LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
-  if (c.mla())  // MLA's projections under Megatron's names: not written yet (--saver hf writes DeepSeek-V3's)
-    return absl::UnimplementedError(fmt::format(
-        "{}: a multi-latent attention model (--multi-latent-attention): ptk-convert does not write Megatron "
-        "checkpoints of MLA yet (--saver hf writes it as DeepseekV3ForCausalLM)",
-        ck.file));
-  if (c.moe() && o.target_use_distributed_optimizer)  // megatron-core's grad buffers of experts: not checked yet
+  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: tensor-parallel size 1
+  if (c.moe() && o.target_use_distributed_optimizer)   // megatron-core's grad buffers of experts: not checked yet
     return absl::FailedPreconditionError(fmt::format(
         "{}: a mixture-of-experts model (--num-experts {}): --target-use-distributed-optimizer is not written for "
         "MoE checkpoints yet (the plain optimizer's state is: leave the flag out, and resume Megatron without "

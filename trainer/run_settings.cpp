@@ -315,6 +315,7 @@ Settings DataAndRunSettings(const TrainOptions& o) {
 }  // namespace
 
 Settings MoeRunSettings(const GPTConfig& m) { return MoeSettingsOf(m); }
+Settings MlaRunSettings(const GPTConfig& m) { return MlaSettingsOf(m); }
 
 // What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
 // each setting under its Megatron flag name, resolved (the global batch size as used).

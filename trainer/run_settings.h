@@ -23,6 +23,8 @@ Settings RunSettings(const TrainOptions& options, int64_t gbs);
 
 // A mixture-of-experts model's settings among them (what an imported checkpoint records of its experts).
 Settings MoeRunSettings(const GPTConfig& m);
+// A multi-latent attention model's settings among them (what an imported MLA checkpoint records).
+Settings MlaRunSettings(const GPTConfig& m);
 
 // The settings every rank must share (those CheckRanksAgree compares: the data paths as given, not
 // resolved), one "flag\tvalue" line each in `all`'s order: what a rank's rendezvous hello carries
