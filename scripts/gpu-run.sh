@@ -188,7 +188,7 @@ PY
 # CudaModel.StateCrossesBackendsExactly; the interleaved schedule on CUDA:
 # cuda_pipeline_interleaved_test).
 declare -A quick_exclude=(
-  [cuda_train_cli_test]="CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends:CudaTrainCli.InterleavedStagesShareOneGpuOverGlooAndCrossBackends"
+  [cuda_train_cli_test]="CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends:CudaTrainCli.InterleavedStagesShareOneGpuOverGlooAndCrossBackends:CudaTrainCli.MixtureOfExpertsCrossesBackendsAndRepeatsBitForBit"
 )
 # Each test's cap in seconds (the deadline cuts it further); unknown tests get 120.
 declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cuda_test]=90 [cuda_model_test]=120

@@ -19,8 +19,8 @@ using train_flags::NonNegative;
 void AddMoeFlags(CLI::App* app, TrainFlags* f) {
   TrainFlags::Moe& m = f->moe;
   app->add_option("--num-experts", m.num_experts,
-                  "Mixture of experts: experts per MoE layer (default none: every MLP dense); CPU only, with "
-                  "--disable-bias-linear")
+                  "Mixture of experts: experts per MoE layer (default none: every MLP dense), with "
+                  "--disable-bias-linear; --device cuda: dropless and data-parallel only")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--moe-router-topk", m.topk, "Experts each token is sent to (default 2)")->check(IntIn(1, kMaxSize));
   app->add_option("--moe-ffn-hidden-size", m.ffn, "Each expert's ffn width (default --ffn-hidden-size)")
@@ -356,10 +356,27 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
     return UsageError(fmt::format(
         "--expert-model-parallel-size {} with --device cuda: expert parallelism runs on the CPU backend only",
         f.moe.expert_parallel));
-  return UsageError(fmt::format(
-      "--num-experts {} on --device cuda: the CUDA backend has no mixture-of-experts layers yet; train on the CPU "
-      "(--device cpu)",
-      f.moe.num_experts));
+  // The CUDA backend's MoE layers (trainer/cuda/moe_layer_cuda.h): dropless, data-parallel, aux_loss and z-loss.
+  auto refuse = [&](const std::string& what) {
+    return UsageError(fmt::format(
+        "--num-experts {} with {} on --device cuda (or --bf16 / --fp16: the CUDA backend's): its mixture-of-experts "
+        "layers are dropless and data-parallel only; train on the CPU (--device cpu) or drop it",
+        f.moe.num_experts, what));
+  };
+  if (f.tensor_model_parallel_size > 1)
+    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
+  if (f.pipeline_model_parallel_size > 1)
+    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
+  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+  if (f.moe.num_groups || f.moe.group_topk) return refuse("group-limited routing (--moe-router-num-groups)");
+  if (f.moe.enable_expert_bias) return refuse("--moe-router-enable-expert-bias");
+  for (const std::string& type : f.moe.load_balancing_type)
+    if (type != "aux_loss" && type != "none") return refuse(fmt::format("--moe-router-load-balancing-type {}", type));
+  if (f.moe.capacity_factor && *f.moe.capacity_factor >= 0)
+    return refuse(fmt::format("--moe-expert-capacity-factor {} (token dropping)", *f.moe.capacity_factor));
+  if (f.moe.shared_expert_size && *f.moe.shared_expert_size > 0)
+    return refuse("shared experts (--moe-shared-expert-intermediate-size)");
+  return absl::OkStatus();
 }
 
 // Megatron's list patterns, for the other layer-pattern flags (--window-attn-skip-freq).

@@ -162,7 +162,7 @@ make_pack "$T/cli" cuda_train_cli
 run quick FAKE_GPUS=1 -- --pack "$T/cli"
 run full FAKE_GPUS=1 -- --pack "$T/cli" --full
 printf 'cli: --gtest_filter=-%s\ncli: \n' \
-  "CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends:CudaTrainCli.InterleavedStagesShareOneGpuOverGlooAndCrossBackends" \
+  "CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends:CudaTrainCli.InterleavedStagesShareOneGpuOverGlooAndCrossBackends:CudaTrainCli.MixtureOfExpertsCrossesBackendsAndRepeatsBitForBit" \
   > "$T/want"
 check "quick leaves the slowest CLI cases out, --full runs them" cmp -s "$T/record" "$T/want"
 check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (profile full, budget 570s)" ]

@@ -600,14 +600,14 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
              "--context-parallel-size 2",
        "usage error: --moe-router-load-balancing-type global_aux_loss with --context-parallel-size 2"},
       {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
-       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
+       "usage error: --num-experts 4 with --moe-router-enable-expert-bias on --device cuda"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap",
        "usage error: --moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (the default): Megatron's "
        "overlap works only with the alltoall dispatcher"},
       {moe + " --moe-shared-expert-intermediate-size 0", "--moe-shared-expert-intermediate-size"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --device cuda",
-       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
+       "usage error: --num-experts 4 with shared experts (--moe-shared-expert-intermediate-size) on --device cuda"},
       {moe + " --moe-pad-expert-input-to-capacity",
        "usage error: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"},
       {moe + " --moe-expert-capacity-factor -1 --moe-pad-expert-input-to-capacity",
@@ -617,7 +617,7 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-expert-capacity-factor many", "--moe-expert-capacity-factor"},
       {moe + " --moe-expert-capacity-factor nan", "--moe-expert-capacity-factor"},
       {moe + " --moe-expert-capacity-factor 1 --device cuda",
-       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
+       "usage error: --num-experts 4 with --moe-expert-capacity-factor 1 (token dropping) on --device cuda"},
       {moe + " --moe-router-group-topk 2",
        "usage error: --moe-router-group-topk 2 needs --moe-router-num-groups (as Megatron's TransformerConfig)"},
       {moe + " --moe-router-num-groups 3 --moe-router-group-topk 1",
@@ -635,7 +635,7 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --moe-z-loss-coeff with --context-parallel-size 2: Megatron divides"},
       {moe + " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2 --moe-router-num-groups 2 "
              "--moe-router-group-topk 1 --device cuda",
-       "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
+       "usage error: --num-experts 4 with group-limited routing (--moe-router-num-groups) on --device cuda"},
       {moe + " --moe-token-dispatcher-type flex", "usage error: --moe-token-dispatcher-type flex:"},
       {moe + " --moe-router-dtype fp64", "usage error: --moe-router-dtype fp64: ptk's router computes in fp32"},
       {moe + " --moe-router-topk 5", "usage error: --moe-router-topk 5 is more than --num-experts 4"},
@@ -649,8 +649,15 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
       {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
        "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},
-      {moe + " --device cuda", "usage error: --num-experts 4 on --device cuda: the CUDA backend has no"},
-      {moe + " --dry-run --bf16", "usage error: --num-experts 4 on --device cuda"},
+      {moe + " --dry-run --bf16 --tensor-model-parallel-size 2 --sequence-parallel",
+       "usage error: --num-experts 4 with --tensor-model-parallel-size 2 on --device cuda (or --bf16 / --fp16: the "
+       "CUDA backend's): its mixture-of-experts layers are dropless and data-parallel only"},
+      {moe + " --dry-run --device cuda --pipeline-model-parallel-size 3",
+       "usage error: --num-experts 4 with --pipeline-model-parallel-size 3 on --device cuda"},
+      {moe + " --dry-run --device cuda --context-parallel-size 2",
+       "usage error: --num-experts 4 with --context-parallel-size 2 on --device cuda"},
+      {moe + " --dry-run --bf16 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
+       "usage error: --num-experts 4 with --moe-router-load-balancing-type seq_aux_loss on --device cuda"},
       {moe + " --dry-run --tensor-model-parallel-size 2",
        "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
   };
@@ -658,6 +665,13 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
     auto r = RunCmd(base + flags);
     EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+  }
+  // The CUDA backend's dropless, data-parallel MoE (aux_loss, z-loss, scaling, pre-softmax, sigmoid) is planned.
+  for (const char* cuda : {" --dry-run --bf16",
+                           " --dry-run --device cuda --moe-router-score-function sigmoid "
+                           "--moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2"}) {
+    auto planned = RunCmd(base + moe + cuda);
+    EXPECT_EQ(planned.exit_code, 0) << cuda << "\n" << planned.output;
   }
   // Speed-only flags are accepted with a note, and --moe-* without --num-experts changes nothing (as Megatron).
   auto r = RunCmd(base + moe + " --moe-grouped-gemm --moe-permute-fusion --moe-token-dispatcher-type alltoall" +

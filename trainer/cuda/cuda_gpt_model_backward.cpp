@@ -19,6 +19,7 @@ namespace ptk::cuda::model_detail {
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2_bias) {
   const GPTConfig& cf = config();
+  if (cf.moe_layer(l)) return MoeMlpBackward(l, dmlp);  // cuda_moe_model.cpp
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
   T *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff);

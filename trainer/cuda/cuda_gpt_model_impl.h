@@ -21,6 +21,7 @@
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/moe_layer_cuda.h"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/cuda/pinned_buffer.h"
 #include "trainer/gpt_model.h"
@@ -429,6 +430,14 @@ class CudaGPTModelImpl final : public GPTModel {
   // dropout mask, gathered whole; the branch's row-parallel bias (at `bias`, -1 none) gets the
   // column sums of this rank's rows of it.
   absl::Status SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed, int64_t bias);
+
+  // cuda_moe_model.cpp: a mixture-of-experts layer's MLP (GPTConfig::moe_layer, moe_layer_cuda.h) from ln2[l]
+  // into tmp, its training pass's load-balancing and z-loss values added to moe_aux_sum_ and moe_z_sum_; its
+  // backward from dmlp into dln (assigned, as MlpBackward's), the router's and experts' gradients added to.
+  absl::Status MoeMlpForward(int64_t l, bool train);
+  absl::Status MoeMlpBackward(int64_t l, const T* dmlp);
+  std::vector<MoeLayerHost> moe_host_;  // per layer of the stage: what the forward left for backward
+  double moe_aux_sum_ = 0, moe_z_sum_ = 0;
 
   // cuda_gpt_model_backward.cpp.
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.

@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -35,10 +36,14 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::ForwardBackward(const ModelBatch& b
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
   Begin();
+  moe_aux_sum_ = moe_z_sum_ = 0;
   PTK_RETURN_IF_ERROR(RunForward(train, seed));
   PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
   PTK_RETURN_IF_ERROR(RunBackward(train, seed));
-  return Losses(batch);
+  PTK_ASSIGN_OR_RETURN(LossSum losses, Losses(batch));
+  losses.load_balancing_loss = std::exchange(moe_aux_sum_, 0.0);  // the MoE layers' (cuda_moe_model.cpp)
+  losses.z_loss = std::exchange(moe_z_sum_, 0.0);
+  return losses;
 }
 
 template <typename T>
@@ -75,6 +80,8 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses() {
   pending_losses_ = 0;
   // Those GPTModel kept (a pipeline stage's host exchange: summed as they came), then the pending copies.
   PTK_ASSIGN_OR_RETURN(LossSum total, GPTModel::TakeLosses());
+  total.load_balancing_loss += std::exchange(moe_aux_sum_, 0.0);  // the pending passes' MoE layers'
+  total.z_loss += std::exchange(moe_z_sum_, 0.0);
   if (k == 0) return total;
   PTK_RETURN_IF_ERROR(Sync(fmt::format("the passes over {} micro-batches of {}x{}", k, b_, t_)));
   for (size_t i = 0; i < k; ++i) {
@@ -210,9 +217,13 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(NormForward(fuse ? "dropout+residual+ln2" : "residual+ln2", Act(plan_.resid_mid, l, n * c),
                                     Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l), Act(plan_.resid, l, n * c),
                                     tmp, lp.ln2_w, lp.ln2_b, FusedDropout(l, kAttentionOutDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(Fc1Forward(l));
-    PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * (cf.ffn_hidden_size / tensor_size())), lp.fc2_w,
-                                     lp.fc2_b, cf.ffn_hidden_size / tensor_size()));
+    if (cf.moe_layer(l)) {  // cuda_moe_model.cpp: the router and experts into tmp
+      PTK_RETURN_IF_ERROR(MoeMlpForward(l, train));
+    } else {
+      PTK_RETURN_IF_ERROR(Fc1Forward(l));
+      PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * (cf.ffn_hidden_size / tensor_size())), lp.fc2_w,
+                                       lp.fc2_b, cf.ffn_hidden_size / tensor_size()));
+    }
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(tmp), then the next norm (the next layer's or the final one).
     const bool last = l + 1 == l1;

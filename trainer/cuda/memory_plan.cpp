@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "common/status.h"
 #include "trainer/cuda/launch_math.h"
+#include "trainer/cuda/moe_plan.h"
 
 namespace ptk::cuda {
 namespace {
@@ -324,6 +325,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.losses = add("per-token losses", n * 4);
   m.dloss = add("per-token loss weights", n * 4);
   AddScratchBuffers(cf, o, nr, c, ct, qw, f, grouped, rows_note, act_lower, add);
+  if (cf.num_experts > 0) {  // the MoE layers' router, dispatch plan and experts' rows (moe_plan.h)
+    const MoeBuffers moe = PlanMoeBuffers(MoeShapeOf(cf, n, a));
+    m.moe_layers = MoeLayersIn(cf, 0, L);
+    m.moe_saved_bytes = moe.saved_bytes;
+    m.moe_saved = add("activations: mixture-of-experts layers (routing, dispatch, experts' rows)",
+                      m.moe_layers * moe.saved_bytes, act_lower + ", or --moe-router-topk");
+    m.moe_scratch = add("scratch: mixture-of-experts layer", moe.scratch_bytes, act_lower);
+  }
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);

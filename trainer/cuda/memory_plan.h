@@ -114,6 +114,11 @@ struct MemoryPlan {
   bool context_flash = false;
   int cp_positions = -1, cp_gathered = -1, cp_whole = -1, cp_dwhole = -1, cp_rows = -1, cp_dqkv = -1;
   int cp_part_out = -1, cp_part_kv = -1, cp_part_stats = -1;
+  // Mixture of experts (GPTConfig::num_experts > 0; else -1): moe_saved holds moe_layers regions of
+  // moe_saved_bytes, MoE layer k's (k counting the slot's MoE layers in order) what its backward reads, and
+  // moe_scratch one layer's pass scratch (trainer/cuda/moe_plan.h's PlanMoeBuffers).
+  int moe_saved = -1, moe_scratch = -1;
+  int64_t moe_layers = 0, moe_saved_bytes = 0;
   // The attention keeps fp32 probabilities (fp32, or context parallelism's rows attention), not statistics.
   bool RowsAttention() const { return !flash || (context > 1 && !context_flash); }
 

@@ -1,0 +1,90 @@
+// The CUDA model with mixture-of-experts layers (trainer/cuda/cuda_moe_model.cpp) against the CPU model
+// (gpu-labelled: exits 77 without a device). A small GPT with two MoE layers of 4 experts (top-2) beside a
+// dense one, no biases (Megatron's MoE needs --disable-bias-linear), the load-balancing loss and the z-loss on:
+// one step's loss, load-balancing and z-loss values and every gradient; softmax, pre-softmax and sigmoid routers
+// with the top-k scaling factor, GELU and SwiGLU experts; a few dozen steps along the CPU's curve.
+//
+// Tolerances, as cuda_model_test's: fp32 (no TF32) the loss within 1e-5 relative, every gradient within 1e-4
+// relative L2 (rounding only: both routers choose the same experts from fp32 logits of the same weights); the
+// load-balancing loss and z-loss within 1e-5 relative. bf16: the loss within 1e-2, every gradient within 1e-1
+// relative L2 (looser than the dense model's 6e-2: the router reads the bf16 norm output, so a token whose two
+// best experts are within bf16's rounding of each other may go elsewhere than on the CPU); the curves within
+// 1e-3 (fp32) and 5e-2 (bf16) of the CPU's at every step, and learning.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tests/trainer/cuda_model_test_util.h"
+
+namespace ptk {
+namespace {
+
+using namespace cuda_model_test;  // NOLINT
+
+GPTConfig MoeConfig() {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.num_layers = 3;
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 96;
+  c.moe_layer_pattern = {1, 0, 1};
+  c.moe_aux_loss_coeff = 1e-2;
+  c.moe_z_loss_coeff = 1e-3;
+  return c;
+}
+
+// The MoE losses' values: the same on both backends.
+void ExpectMoeLossesMatch(const GPTConfig& c, Precision p, double tol, const std::string& what) {
+  Batches data(1, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, p);
+  ASSERT_TRUE(gpu) << what;
+  auto a = cpu->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
+  auto b = gpu->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_GT(a->load_balancing_loss, 0) << what;
+  EXPECT_GT(a->z_loss, 0) << what;
+  EXPECT_NEAR(b->load_balancing_loss, a->load_balancing_loss, tol * a->load_balancing_loss) << what;
+  EXPECT_NEAR(b->z_loss, a->z_loss, tol * a->z_loss) << what;
+  // Evaluation passes track neither.
+  auto e = gpu->Forward(data.Get(0), nullptr);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->load_balancing_loss, 0) << what;
+}
+
+TEST(CudaMoeModel, Fp32StepMatchesTheCpu) {
+  ExpectOneStepMatches(MoeConfig(), Precision::kFp32, 1e-5, 1e-4, "MoE softmax top-2, GELU");
+  ExpectMoeLossesMatch(MoeConfig(), Precision::kFp32, 1e-5, "MoE softmax top-2, GELU");
+}
+
+TEST(CudaMoeModel, Fp32RouterVariantsMatchTheCpu) {
+  {
+    GPTConfig c = MoeConfig();
+    c.moe_router_pre_softmax = true;
+    c.swiglu = true;
+    ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "MoE pre-softmax, SwiGLU");
+    ExpectMoeLossesMatch(c, Precision::kFp32, 1e-5, "MoE pre-softmax, SwiGLU");
+  }
+  {
+    GPTConfig c = MoeConfig();
+    c.moe_router_sigmoid = true;
+    c.moe_router_topk_scaling_factor = 2.5;
+    c.moe_router_topk = 1;
+    ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "MoE sigmoid top-1, scaling 2.5");
+    ExpectMoeLossesMatch(c, Precision::kFp32, 1e-5, "MoE sigmoid top-1, scaling 2.5");
+  }
+}
+
+TEST(CudaMoeModel, Bf16StepFollowsTheCpu) {
+  ExpectOneStepMatches(MoeConfig(), Precision::kBf16, 1e-2, 1e-1, "MoE softmax top-2, GELU");
+}
+
+TEST(CudaMoeModel, StepsFollowTheCpuCurveAndLearn) {
+  const GPTConfig c = MoeConfig();
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, " MoE");
+}
+
+}  // namespace
+}  // namespace ptk

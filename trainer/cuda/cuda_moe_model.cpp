@@ -1,0 +1,69 @@
+// The CUDA model's mixture-of-experts MLP (the CPU model's trainer/cpu/cpu_moe_layer.cpp, data-parallel only):
+// the layer's router and experts over the pre-MLP norm's output (moe_layer_cuda.h) into the projection
+// scratch, the load-balancing loss's and the router z-loss's values kept for the log and their gradients
+// injected with the step's scale in backward, as Megatron's MoEAuxLossAutoScaler does.
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/moe_layer_cuda.h"
+
+namespace ptk::cuda::model_detail {
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::MoeMlpForward(int64_t l, bool train) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  if (plan_.moe_saved < 0 || plan_.moe_scratch < 0 || tensor_size() > 1 || sequence_parallel_ || cp())
+    return absl::FailedPreconditionError(fmt::format(
+        "MoE layer {}: the CUDA backend runs mixture-of-experts layers data-parallel only, with their buffers "
+        "planned",
+        l));
+  if (cf.moe_router_group_topk > 0 || cf.moe_router_enable_expert_bias || cf.moe_expert_capacity_factor >= 0 ||
+      cf.moe_seq_aux_loss_coeff > 0 || cf.moe_global_aux_loss_coeff > 0 || cf.moe_shared_expert_intermediate_size > 0)
+    return absl::UnimplementedError(fmt::format(
+        "MoE layer {}: the CUDA backend has no group-limited routing, expert bias, token dropping, seq_aux_loss, "
+        "global_aux_loss or shared experts (trainer/backend.cpp refuses them first)",
+        l));
+  if (moe_host_.size() < layout().layers.size()) moe_host_.resize(layout().layers.size());
+  MoeLayerHost& h = moe_host_[static_cast<size_t>(SlotLayer(l))];
+  h.train = train;
+  const bool aux = train && cf.moe_aux_loss_coeff > 0, z = train && cf.moe_z_loss_coeff > 0;
+  const int64_t c = cf.hidden_size, k = MoeLayersIn(cf, chunk_layer_begin(), l);
+  PTK_RETURN_IF_ERROR(Op("moe", "moe layer (router, dispatch, experts)",
+                         MoeLayerForward<T>(Buf<T>(plan_.tmp), Act(plan_.ln2, l, n_ * c), Compute(lp.router_w),
+                                            Compute(lp.experts), MoeLayerSpecOf(cf, n_, plan_.act_bytes),
+                                            Buf<char>(plan_.moe_saved) + k * plan_.moe_saved_bytes,
+                                            Buf<char>(plan_.moe_scratch), &h, aux, z, ctx_)));
+  moe_aux_sum_ += h.aux_loss;
+  moe_z_sum_ += h.z_loss;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::MoeMlpBackward(int64_t l, const T* dmlp) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  if (moe_host_.size() <= static_cast<size_t>(SlotLayer(l)))
+    return absl::FailedPreconditionError(fmt::format("MoE layer {}: backward before its forward", l));
+  const MoeLayerHost& h = moe_host_[static_cast<size_t>(SlotLayer(l))];
+  // The losses' MoEAuxLossAutoScaler scale: the step's (with --calculate-per-token-loss the micro-batch's tokens).
+  const double aux_grad = h.train ? cf.moe_aux_loss_coeff * moe_aux_loss_scale_ : 0.0;
+  const double z_grad = h.train ? cf.moe_z_loss_coeff * moe_aux_loss_scale_ : 0.0;
+  const int64_t c = cf.hidden_size, k = MoeLayersIn(cf, chunk_layer_begin(), l);
+  return Op("moe", "moe layer backward",
+            MoeLayerBackward<T>(Buf<T>(plan_.dln), Grad(lp.router_w), Grad(lp.experts), dmlp, Act(plan_.ln2, l, n_ * c),
+                                Compute(lp.router_w), Compute(lp.experts), MoeLayerSpecOf(cf, n_, plan_.act_bytes),
+                                Buf<char>(plan_.moe_saved) + k * plan_.moe_saved_bytes, Buf<char>(plan_.moe_scratch), h,
+                                aux_grad, z_grad, ctx_));
+}
+
+#define PTK_INSTANTIATE(T)                                                         \
+  template absl::Status CudaGPTModelImpl<T>::MoeMlpForward(int64_t l, bool train); \
+  template absl::Status CudaGPTModelImpl<T>::MoeMlpBackward(int64_t l, const T* dmlp);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cuda::model_detail
