@@ -164,8 +164,13 @@ CLI::Validator IntIn(int64_t lo, int64_t hi);
 CLI::Validator RealIn(double lo, bool lo_open, double hi, bool hi_open);
 inline constexpr int64_t kMaxInt = 2147483647;  // the most an int flag holds
 inline constexpr double kMaxSeconds = 1e9;      // a duration flag's most (31 years; beyond, clocks overflow)
-const CLI::Validator& Positive();               // a finite number > 0
-const CLI::Validator& NonNegative();            // a finite number >= 0
+// --lock-wait SECONDS, on every tool that writes under an output's lock (OutputLock): how long a run keeps
+// trying for an output another run is writing before it fails (a line every 10 s naming the output and the
+// holder); 0, the default, fails at once. A node that died holding the lock on NFS keeps it for the server's
+// lease (~90 s): a requeued task waits that out. Given, it sets SetOutputLockWait for the process.
+CLI::Option* AddLockWait(CLI::App& app);
+const CLI::Validator& Positive();     // a finite number > 0
+const CLI::Validator& NonNegative();  // a finite number >= 0
 
 // An output prefix (--output-prefix): a directory, then the start of the file names. One that ends
 // in '/' (or names . or ..) has no file name part, and would write hidden files such as

@@ -1,6 +1,7 @@
 // Numeric options' ranges (IntIn, RealIn and their shorthands) and the check that every numeric
 // option of a tool has one (CheckOptionTable).
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "common/output_lock.h"
 #include "common/status.h"
 
 namespace ptk::cli {
@@ -112,6 +114,19 @@ const CLI::Validator& Positive() {
 const CLI::Validator& NonNegative() {
   static const CLI::Validator v = RealIn(0, false, std::numeric_limits<double>::infinity(), false);
   return v;
+}
+
+CLI::Option* AddLockWait(CLI::App& app) {
+  return app
+      .add_option_function<double>(
+          "--lock-wait",
+          [](double seconds) {
+            SetOutputLockWait(std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000))));
+          },
+          "Seconds to keep trying for an output another run is writing (its .ptk-lock held), a line every 10 s "
+          "naming the holder, before failing (default 0: fail at once). On NFS a dead node's lock lasts the "
+          "server's lease (~90 s): a requeued task given --lock-wait 180 waits it out")
+      ->check(RealIn(0, false, kMaxSeconds, false));
 }
 
 }  // namespace ptk::cli

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -71,7 +72,35 @@ std::set<std::string>& LiveLocks() {
 // would outlive the process, so Acquire creates none.
 bool dying = false;
 
+std::atomic<int64_t> lock_wait_ms{0};  // SetOutputLockWait's
+
+// The name of the holder of the lock `fd` could not take, once it wrote it. The holder writes its name just
+// after it locks: wait for it, up to 30 s (a loaded machine can keep a process off the CPU, or its ftruncate
+// and pwrite behind the file system, for seconds: with 2 s the run was refused naming no holder). A holder
+// killed between locking and naming itself lets go of the lock without a name: *freed, the output is free.
+std::string BusyHolder(int fd, bool* freed) {
+  std::string holder = ReadHolder(fd);
+  *freed = false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (holder.empty() && !*freed && std::chrono::steady_clock::now() < until) {
+    ::usleep(10000);
+    holder = ReadHolder(fd);
+    struct flock probe = {};
+    probe.l_type = F_WRLCK;
+    probe.l_whence = SEEK_SET;
+    *freed = holder.empty() && ::fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type == F_UNLCK;
+  }
+  return holder.empty() ? "a process that has not written its name" : holder;
+}
+
+std::string SecondsWords(int64_t ms) { return fmt::format("{:g} s", static_cast<double>(ms) / 1000.0); }
+
 }  // namespace
+
+void SetOutputLockWait(std::chrono::milliseconds wait) {
+  lock_wait_ms = std::max<int64_t>(0, static_cast<int64_t>(wait.count()));
+}
+std::chrono::milliseconds OutputLockWait() { return std::chrono::milliseconds(lock_wait_ms.load()); }
 
 void RemoveLiveLocks() {
   std::lock_guard<std::mutex> g(LiveMutex());
@@ -82,7 +111,11 @@ void RemoveLiveLocks() {
 
 absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target) {
   const std::string path = target + kSuffix;
-  for (int attempt = 0; attempt < 64; ++attempt) {
+  // --lock-wait: a held output is tried again until the wait is over, a line every 10 s saying so.
+  const int64_t wait_ms = lock_wait_ms.load();
+  const auto start = std::chrono::steady_clock::now();
+  auto next_line = start;
+  for (int attempt = 0; attempt < 64;) {
     // Created, locked and recorded as one step under the mutex: RemoveLiveLocks (a signal's cleanup on
     // another thread) never misses a lock file this process made, nor runs before one is made.
     std::unique_lock<std::mutex> live(LiveMutex());
@@ -96,31 +129,27 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
       const int e = errno;
       if (e == EAGAIN || e == EACCES) {
         live.unlock();  // another process's file: nothing of ours to record while we wait for its name
-        // The holder writes its name just after it locks: wait for it, up to 30 s (a loaded machine can
-        // keep a process off the CPU, or its ftruncate and pwrite behind the file system, for seconds:
-        // with 2 s the run was refused naming no holder). A holder killed between locking and naming
-        // itself lets go of the lock without a name: then the output is free, and this run starts over
-        // to take it.
-        std::string holder = ReadHolder(fd);
         bool freed = false;
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-        while (holder.empty() && !freed && std::chrono::steady_clock::now() < until) {
-          ::usleep(10000);
-          holder = ReadHolder(fd);
-          struct flock probe = {};
-          probe.l_type = F_WRLCK;
-          probe.l_whence = SEEK_SET;
-          freed = holder.empty() && ::fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type == F_UNLCK;
-        }
-        if (freed) {
-          ::close(fd);
-          continue;
-        }
-        if (holder.empty()) holder = "a process that has not written its name";
+        const std::string holder = BusyHolder(fd, &freed);
         ::close(fd);
-        return absl::AbortedError(fmt::format(
-            "{} {} {}: {}; wait for it to finish or stop it (a killed run's lock is released by the kernel)", target,
-            kBusyTag, "(lock " + path + ")", holder));
+        if (freed) {
+          ++attempt;
+          continue;  // its holder died before naming itself: start over to take it
+        }
+        const auto now = std::chrono::steady_clock::now();
+        const int64_t waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count();
+        if (waited >= wait_ms)
+          return absl::AbortedError(fmt::format(
+              "{} {} {}: {}{}; wait for it to finish or stop it (a killed run's lock is released by the kernel)",
+              target, kBusyTag, "(lock " + path + ")", holder,
+              wait_ms > 0 ? fmt::format("; still held after waiting {} (--lock-wait)", SecondsWords(wait_ms)) : ""));
+        if (now >= next_line) {
+          log::Info("{} {} (lock {}): {}; waited {} of {} (--lock-wait)", target, kBusyTag, path, holder,
+                    SecondsWords(waited / 1000 * 1000), SecondsWords(wait_ms));
+          next_line = now + std::chrono::seconds(10);
+        }
+        ::usleep(static_cast<useconds_t>(std::min<int64_t>(wait_ms - waited, 500) * 1000));
+        continue;
       }
       if (e == ENOSYS || e == ENOLCK || e == EOPNOTSUPP || e == EINVAL) {
         static std::atomic<bool> warned{false};
@@ -139,6 +168,7 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
     struct stat a, b;
     if (::fstat(fd, &a) != 0 || ::stat(path.c_str(), &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev) {
       ::close(fd);
+      ++attempt;
       continue;
     }
     const std::string text = HolderText() + "\n";

@@ -40,6 +40,8 @@
 #   CONCAT_CHUNKS 72      CONCAT_PARALLELISM 16    (one pod per chunk)
 #   TOKENIZE_TASKS = CONCAT_CHUNKS                 TOKENIZE_PARALLELISM 16
 #   CPUS_PER_TASK 4       MEMORY_PER_TASK 8Gi      requests of each data pod (its --jobs / --workers)
+#   LOCK_WAIT 180         seconds a data pod waits for an output another pod's lock holds (--lock-wait; a
+#                         node that died holding it on NFS keeps it ~90 s); 0: fail at once
 #   BACKOFF_LIMIT_PER_INDEX 3                      reruns of one index before it counts as failed (and
 #                                                  the backoffLimit of the one-pod concat-plan Job)
 # Training (k8s/pytorchjob.yaml-template, or k8s/train-job.yaml-template without the training operator):
@@ -83,6 +85,7 @@
 : "${CPUS_PER_TASK:=4}"
 : "${MEMORY_PER_TASK:=8Gi}"
 : "${BACKOFF_LIMIT_PER_INDEX:=3}"
+: "${LOCK_WAIT:=180}"
 : "${NUM_WORKERS:=2}"
 : "${GPU_PER_WORKER:=1}"
 : "${CPUS_PER_WORKER:=8}"
@@ -110,7 +113,7 @@
 
 PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE
   VALID_SUBDIR HELDOUT_SUBDIRS DROP_SETS HF_EXCLUDE DOWNLOAD_VERIFY HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
-  CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX NUM_WORKERS
+  CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX LOCK_WAIT NUM_WORKERS
   WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
   SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
   EVAL_INTERVAL EVAL_ITERS LOG_INTERVAL TRAIN_EXTRA_ARGS CKPT_DIR TRAIN_BACKOFF_LIMIT TRAIN_GRACE_SECONDS"
@@ -129,7 +132,7 @@ ptk_k8s_check() {
            SAVE_INTERVAL EVAL_INTERVAL LOG_INTERVAL TRAIN_GRACE_SECONDS; do
     [[ "${!v}" =~ ^[1-9][0-9]{0,8}$ ]] || { ptk_k8s_bad "$v" "must be a positive integer (at most 9 digits)"; return 2; }
   done
-  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT LR_WARMUP_ITERS; do
+  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT LR_WARMUP_ITERS LOCK_WAIT; do
     [[ "${!v}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { ptk_k8s_bad "$v" "must be a number >= 0 (at most 9 digits)"; return 2; }
   done
   [ "$MASTER_PORT" -le 65535 ] || { ptk_k8s_bad MASTER_PORT "must be a port number (1 to 65535)"; return 2; }

@@ -218,12 +218,14 @@ int main(int argc, char** argv) {
       "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
       "half-written) if the node crashes soon after; what cat gives";
   app->add_flag("--no-fsync", top_run.no_fsync, kNoFsync);
+  ptk::cli::AddLockWait(*app);
 
   ptk::ConcatPlanRequest plan_req;
   std::string plan_path;
   auto* plan_cmd = app->add_subcommand("plan", "Write the plan (which inputs form which chunk) and stop");
   AddPlanOptions(plan_cmd, &plan_req, true, "input");
   plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
+  ptk::cli::AddLockWait(*plan_cmd);
 
   RunArgs run_args;
   auto* run_cmd =
@@ -246,6 +248,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
+  ptk::cli::AddLockWait(*run_cmd);
   ListArgs list_args;
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);

@@ -144,6 +144,7 @@ int main(int argc, char** argv) {
   app->add_flag("--force", force,
                 "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
   app->add_flag("--quiet", quiet, "No progress output");
+  ptk::cli::AddLockWait(*app);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
   ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   app->add_option("--output-prefix", output_prefix, "Output path without .bin/.idx")->required();
   app->add_flag("--multimodal", multimodal, "The datasets carry a per-sequence modes array");
   app->add_flag("--quiet", quiet, "No progress output");
+  ptk::cli::AddLockWait(*app);
   app->add_flag("--force", force,
                 "Merge again even when the output's .ptk-done sidecar records these inputs (same files, sizes and "
                 "times) and settings");

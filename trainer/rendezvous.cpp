@@ -515,6 +515,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   std::vector<std::string> left, dropped, silent;
+  std::vector<int> silent_ranks;
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     auto it = peers.find(r);
@@ -526,8 +527,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       dropped.push_back(fmt::format("rank {} (host {})", r, it->second.first));
     } else if (it->second.second == "alive") {
       silent.push_back(fmt::format("rank {} (host {})", r, it->second.first));
-      std::lock_guard<std::mutex> lock(silent_mu_);
-      silent_.push_back(r);
+      silent_ranks.push_back(r);
     }
   }
   auto join = [](const std::vector<std::string>& v) {
@@ -539,7 +539,14 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
   std::string gone;
   if (!left.empty()) gone = join(left) + " " + GoneWords("left");
   if (!dropped.empty()) gone += (gone.empty() ? "" : "; ") + join(dropped) + " " + GoneWords(kDroppedState);
+  // The ranks still alive beside a gone one are not judged: this rank saw the death first, and they are about
+  // to meet it and ask rank 0's store who went (rank 0's destructor serves them). Silent only where no rank is
+  // gone and they never reported within the wait: they hang, and will not ask.
   if (!gone.empty()) return gone;
+  {
+    std::lock_guard<std::mutex> lock(silent_mu_);
+    silent_.insert(silent_.end(), silent_ranks.begin(), silent_ranks.end());
+  }
   if (!silent.empty())
     return fmt::format("{} did not report a failure: it hangs (or is cut off from the others)", join(silent));
   return "every rank reports a failure: the network between them failed";

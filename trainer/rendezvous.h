@@ -111,8 +111,10 @@ class RendezvousStore {
   std::string DiagnosePeers(const std::string& what_failed);
 
   // Rank 0: the other ranks still connected to its store that its diagnosis (DiagnosePeers) did not judge silent
-  // (hung or cut off: they will not come to ask what happened). Its destructor, after a diagnosis, serves the
-  // store while there are any, a few seconds at most. Others: 0.
+  // (hung or cut off: they will not come to ask what happened). A diagnosis that found a rank gone judges none
+  // silent: the ranks still alive beside it have yet to meet that death, and come to ask who went first. Its
+  // destructor, after a diagnosis, serves the store while there are any, a few seconds at most (a clean run,
+  // never diagnosed, ends at once). Others: 0.
   int PeersToServe() const;
 
   int rank() const { return rank_; }

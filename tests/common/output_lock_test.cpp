@@ -41,6 +41,34 @@ TEST(OutputLock, SecondHolderIsRefusedWithTheFirstNamed) {
   EXPECT_TRUE(c.ok()) << c.status();
 }
 
+// SetOutputLockWait (a tool's --lock-wait): a held output is tried again until the wait runs out, and the
+// refusal then says how long it waited; the default, 0, refuses at once without a word of waiting.
+TEST(OutputLock, AWaitThatRunsOutSaysHowLongItWaited) {
+  TempDir dir;
+  const std::string out = dir / "chunk.jsonl";
+  auto a = OutputLock::Acquire(out);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(OutputLockWait(), std::chrono::milliseconds(0));
+  SetOutputLockWait(std::chrono::milliseconds(1200));
+  auto b = OutputLock::Acquire(out);
+  SetOutputLockWait(std::chrono::milliseconds(0));
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(IsOutputBusy(b.status())) << b.status();
+  const std::string msg(StatusMessage(b.status()));
+  EXPECT_NE(msg.find(out + " is being written by another run (lock " + out + ".ptk-lock)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("pid {}", ::getpid())), std::string::npos) << msg;
+  EXPECT_NE(msg.find("still held after waiting 1.2 s (--lock-wait)"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;  // one line
+  auto c = OutputLock::Acquire(out);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(std::string(StatusMessage(c.status())).find("--lock-wait"), std::string::npos) << c.status();
+  a->reset();
+  SetOutputLockWait(std::chrono::milliseconds(60000));  // free: taken at once, whatever the wait
+  auto d = OutputLock::Acquire(out);
+  SetOutputLockWait(std::chrono::milliseconds(0));
+  EXPECT_TRUE(d.ok()) << d.status();
+}
+
 TEST(OutputLock, LockOfAKilledProcessDoesNotBlock) {
   TempDir dir;
   const std::string out = dir / "data";

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -160,6 +161,73 @@ TEST(ConcurrentRuns, TokenizeRerunRemovesAStaleLock) {
     auto again = RunCmd(tok);
     EXPECT_EQ(again.exit_code, 0) << again.output;  // up to date: nothing to write, nothing to wait for
     EXPECT_TRUE(std::filesystem::exists(lock)) << "a held lock was removed";
+  }
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+}
+
+// A requeued task on a node whose predecessor died holding the output's lock (on NFS the lock outlives
+// its holder for the server's lease, ~90 s) failed at once and burned its retries. With --lock-wait it
+// keeps trying, saying so, and writes once the holder lets go: the output byte-identical to an
+// undisturbed run's, nothing left behind.
+TEST(ConcurrentRuns, TokenizeWithLockWaitWritesOnceTheHolderLetsGo) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "out");
+  std::filesystem::create_directories(dir / "ref");
+  testing::WriteFile(dir / "in.jsonl", Docs(300, 5));
+  const std::string tok =
+      fmt::format("{} --input {} --workers 1 --append-eod", testing::Tool("ptk-tokenize"), dir / "in.jsonl");
+  auto ref = RunCmd(tok + " --quiet --output-prefix " + (dir / "ref/ds"));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string log = dir / "waiting.log";
+  auto held = OutputLock::Acquire(dir / "out/ds_text_document");  // the dead node's lock, still held
+  ASSERT_TRUE(held.ok()) << held.status();
+  const pid_t waiting = testing::SpawnShell(tok + " --lock-wait 600 --output-prefix " + (dir / "out/ds"), log);
+  // Its first line says it waits (then one every 10 s); only then is the lock let go.
+  bool said = false;
+  for (int i = 0; i < 6000 && !said; ++i) {
+    said = testing::ReadFile(log).find("waited 0 s of 600 s (--lock-wait)") != std::string::npos;
+    if (!said) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const std::string before = testing::ReadFile(log);
+  held->reset();
+  const int rc = testing::WaitExit(waiting);
+  const std::string out = testing::ReadFile(log);
+  ASSERT_TRUE(said) << out;
+  EXPECT_NE(before.find(dir / "out/ds_text_document is being written by another run (lock "), std::string::npos)
+      << before;
+  EXPECT_NE(before.find(fmt::format("(pid {} on host", ::getpid())), std::string::npos) << before;  // the holder
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(testing::ReadFile(dir / "out/ds_text_document.bin"), testing::ReadFile(dir / "ref/ds_text_document.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "out/ds_text_document.idx"), testing::ReadFile(dir / "ref/ds_text_document.idx"));
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+}
+
+// A wait that runs out fails (exit 1) in one line naming the output, its holder and the wait; the
+// flag's bad values are usage errors (exit 2) naming it.
+TEST(ConcurrentRuns, TokenizeLockWaitThatRunsOutFailsNamingTheWait) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "out");
+  testing::WriteFile(dir / "in.jsonl", Docs(20, 5));
+  const std::string tok = fmt::format("{} --quiet --input {} --output-prefix {} --workers 1",
+                                      testing::Tool("ptk-tokenize"), dir / "in.jsonl", dir / "out/ds");
+  {
+    auto held = OutputLock::Acquire(dir / "out/ds_text_document");
+    ASSERT_TRUE(held.ok()) << held.status();
+    auto r = RunCmd(tok + " --lock-wait 1.5");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(dir / "out/ds_text_document is being written by another run"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("still held after waiting 1.5 s (--lock-wait)"), std::string::npos) << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "out/ds_text_document.bin"));
+    auto at_once = RunCmd(tok);  // the default: no wait, as before
+    EXPECT_EQ(at_once.exit_code, 1) << at_once.output;
+    EXPECT_NE(at_once.output.find("is being written by another run"), std::string::npos) << at_once.output;
+    EXPECT_EQ(at_once.output.find("--lock-wait"), std::string::npos) << at_once.output;
+  }
+  for (const char* bad : {"-1", "abc", "nan", "1e400", ""}) {
+    auto r = RunCmd(tok + " --lock-wait '" + bad + "'");
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--lock-wait"), std::string::npos) << bad << ": " << r.output;
   }
   EXPECT_EQ(testing::Leftovers(dir / "out"), "");
 }

@@ -135,6 +135,8 @@ CASES = [
     ("GPU_PER_WORKER", "1\n", None, True),
     ("LR_WARMUP_ITERS", "5x", None, True),
     ("SAVE_INTERVAL", "1e3", None, True),
+    ("LOCK_WAIT", "-1", None, True),
+    ("LOCK_WAIT", "90s", None, True),
 ]
 BASE = {"STAGE_PATH": "/fsx/ptk", "MOUNT_PATH": "/fsx"}
 

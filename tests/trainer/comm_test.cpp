@@ -381,6 +381,50 @@ void JoinTwoAndOneByHand(int port, std::vector<std::unique_ptr<RendezvousStore>>
   ASSERT_EQ(ack, wire::kJoined);
 }
 
+// Rank 1 killed in a job of 4: rank 0 met the death first, and ended while ranks 2 and 3 were still to ask its store
+// which rank went. Its diagnosis took them (alive beside the gone rank 1) for silent ranks that never ask, and its
+// store closed at once: their diagnosis said "rank 0 (which serves the rendezvous) exited" instead of naming rank 1
+// (tp_train_cli_test's killed tensor rank, seen once in CI). Rank 0 now serves them, its own connection closed,
+// until they have asked and gone.
+TEST(Rendezvous, RankZeroEndingOnADeathStillTellsTheLaterRanksWhoWentFirst) {
+  using std::chrono::milliseconds;
+  namespace wire = rendezvous_detail;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores;
+  ASSERT_NO_FATAL_FAILURE(ConnectStores(4, 4, port, milliseconds(10000), &stores));
+  const std::string named = "rank 1 (host " + HostName() +
+                            ") exited (its connection to the rendezvous closed: killed, crashed or stopped "
+                            "early)";
+  stores[1].reset();  // killed
+  EXPECT_EQ(stores[0]->DiagnosePeers("all-reduce: Connection reset by peer"), named);
+  EXPECT_EQ(stores[0]->PeersToServe(), 2);  // ranks 2 and 3 have yet to meet the death: not silent
+  // Rank 0 ends: its destructor closes its own connection first, then serves while the others are connected.
+  HandRank asker;  // not a rank: asks the store (kInfo about rank 0) whether rank 0's own connection closed
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(asker.fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  std::thread ending([&] { stores[0].reset(); });
+  bool rank0_ending = false;
+  for (int i = 0; i < 1000 && !rank0_ending; ++i) {
+    std::string info;
+    wire::ServerInfo parsed;
+    if (!(wire::SendAll(asker.fd, &wire::kInfo, 1) && wire::SendBlob(asker.fd, "0") &&
+          wire::RecvBlob(asker.fd, &info) && wire::ParseServerInfo(info, &parsed)))
+      break;  // the store closed: rank 0 ended without serving the others
+    rank0_ending = parsed.rank_host.empty();
+    if (!rank0_ending) std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_TRUE(rank0_ending) << "rank 0's store closed (or its end never began) before ranks 2 and 3 asked";
+  // Only now do ranks 2 and 3 meet the death (their collectives fail) and ask.
+  for (int r : {2, 3}) {
+    EXPECT_EQ(stores[static_cast<size_t>(r)]->DiagnosePeers("all-reduce: Connection reset by peer"), named) << r;
+    stores[static_cast<size_t>(r)].reset();
+  }
+  ending.join();
+}
+
 // A rank stopped, or slowed down, half-way through a request to rank 0's store held every other rank's:
 // the store read each request whole, waiting on its sender's connection, so one byte of a set from
 // rank 2 left rank 1's set and rank 0's get waiting until their timeout ("no answer within 10 s"), and

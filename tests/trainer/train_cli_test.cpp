@@ -216,6 +216,10 @@ TEST_F(TrainCli, ARefusedStartLeavesNothingBehind) {
   refused("--tensorboard-dir " + ShellQuote(dir_ / "new/tb") + " --metrics-file " + ShellQuote(held),
           "--metrics-file " + held);
   EXPECT_FALSE(testing::Exists(dir_ / "new"));
+  // --lock-wait: the held file tried again that long, then refused alike, saying how long it waited.
+  refused("--lock-wait 0.5 --tensorboard-dir " + ShellQuote(dir_ / "new/tb") + " --metrics-file " + ShellQuote(held),
+          "still held after waiting 0.5 s (--lock-wait)");
+  EXPECT_FALSE(testing::Exists(dir_ / "new"));
   std::filesystem::create_directories(tb);
   testing::WriteFile(other, "");  // another run's events: a fresh run would write in run-2
   refused("--tensorboard-dir " + ShellQuote(tb) + " --metrics-file " + ShellQuote(held), "--metrics-file " + held);
