@@ -120,15 +120,16 @@ absl::Status ResolveMlaFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& f, Device device) {
   if (!f.mla.on) return absl::OkStatus();
-  auto refuse = [](const std::string& what) {
+  if (f.context_parallel_size > 1)
     return UsageError(fmt::format(
-        "--multi-latent-attention with {}: ptk's multi-latent attention runs with data and pipeline parallelism "
-        "only for now",
-        what));
-  };
-  if (f.tensor_model_parallel_size > 1)
-    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
+        "--multi-latent-attention with --context-parallel-size {}: ptk's multi-latent attention runs with data, "
+        "tensor (and sequence) and pipeline parallelism only for now",
+        f.context_parallel_size));
+  if (f.tensor_model_parallel_size > 1 && f.mtp.num_layers.value_or(0) > 0)
+    return UsageError(fmt::format(
+        "--multi-latent-attention with --mtp-num-layers {} and --tensor-model-parallel-size {}: ptk's multi-token "
+        "prediction depths run multi-latent attention on one tensor rank only for now",
+        *f.mtp.num_layers, f.tensor_model_parallel_size));
   if (device != Device::kCpu)
     return UsageError(
         "--multi-latent-attention on --device cuda: the CUDA backend has no multi-latent attention yet; train on the "

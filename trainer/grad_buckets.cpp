@@ -56,15 +56,24 @@ std::vector<GradRange> NonTensorParallelGradRanges(const ParamLayout& layout, bo
   if (sequence_parallel) return SequenceParallelGradRanges(layout);
   std::vector<GradRange> out;
   if (layout.tensor_size <= 1) return out;
-  for (const LayerParams& lp : layout.layers)
-    for (int64_t at : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b}) {
-      if (at < 0) continue;
-      const int64_t size = layout.config.head_dim();
-      if (!out.empty() && out.back().end == at)
-        out.back().end += size;
-      else
-        out.push_back({at, at + size});
-    }
+  auto add = [&](int64_t at, int64_t size) {
+    if (at < 0) return;
+    if (!out.empty() && out.back().end == at)
+      out.back().end += size;
+    else
+      out.push_back({at, at + size});
+  };
+  const GPTConfig& cf = layout.config;
+  const int64_t c = cf.hidden_size, qr = cf.q_lora_rank, kvr = cf.kv_lora_rank;
+  for (const LayerParams& lp : layout.layers) {
+    for (int64_t at : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b}) add(at, cf.head_dim());
+    // Multi-latent attention's down projections and latent norms, whole on every rank: each rank's gradient is its
+    // heads' share (the path through its up projections' rows and its heads' use of the shared rotary key).
+    add(lp.mla_q_down, qr * c);
+    add(lp.mla_kv_down, (kvr + cf.qk_pos_emb_head_dim) * c);
+    for (int64_t at : {lp.mla_q_norm_w, lp.mla_q_norm_b}) add(at, qr);
+    for (int64_t at : {lp.mla_kv_norm_w, lp.mla_kv_norm_b}) add(at, kvr);
+  }
   return out;
 }
 

@@ -71,8 +71,8 @@ absl::Status CheckTensorSplit(const GPTConfig& c, int tensor) {
   return absl::OkStatus();
 }
 
-int64_t MlaProjectionParams(const GPTConfig& c) {
-  const int64_t h = c.hidden_size, heads = c.num_attention_heads, qr = c.q_lora_rank, kvr = c.kv_lora_rank;
+int64_t MlaProjectionParams(const GPTConfig& c, int tensor) {
+  const int64_t h = c.hidden_size, heads = c.num_attention_heads / tensor, qr = c.q_lora_rank, kvr = c.kv_lora_rank;
   const int64_t norm = c.normalization == Normalization::kRMSNorm ? 1 : 2;  // a norm's tensors per channel
   const int64_t q_rows = heads * c.mla_q_head_dim();
   const int64_t q = qr > 0 ? qr * h + q_rows * qr + (c.qk_layernorm ? norm * qr : 0) : q_rows * h;
@@ -93,8 +93,9 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   const int64_t bias = c.add_bias_linear ? 1 : 0;
   // --qk-layernorm: the query and the key norm over head_dim channels, whole on every tensor rank.
   const int64_t qk_norms = c.qk_layernorm ? 2 * (norm / h) * c.head_dim() : 0;
-  // Multi-latent attention (one tensor rank) holds its projections and latent norms in place of QKV's.
-  const int64_t qkv_part = c.mla() ? MlaProjectionParams(c) : qkv * h / t + (c.qkv_bias() ? qkv / t : 0) + qk_norms;
+  // Multi-latent attention holds its projections and latent norms in place of QKV's (its heads' up projections).
+  const int64_t qkv_part =
+      c.mla() ? MlaProjectionParams(c, tensor) : qkv * h / t + (c.qkv_bias() ? qkv / t : 0) + qk_norms;
   const int64_t layer = norm                            // input norm
                         + qkv_part                      // column-parallel QKV, query and key norms
                         + h * attention / t + bias * h  // row-parallel projection, bias whole

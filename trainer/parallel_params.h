@@ -38,8 +38,9 @@ absl::Status CheckTensorSplit(const GPTConfig& config, int tensor);
 int64_t ParamsOnModelParallelRank(const GPTConfig& config, int tensor, int pipeline, int stage, int64_t layers_on_stage,
                                   int64_t moe_layers_on_stage = -1);
 
-// A multi-latent attention layer's projections and latent norms (ParamLayout's mla_* tensors; linear_proj aside).
-int64_t MlaProjectionParams(const GPTConfig& config);
+// A multi-latent attention layer's projections and latent norms (ParamLayout's mla_* tensors; linear_proj aside) on
+// one of `tensor` ranks: the up projections (linear_q_proj without a q LoRA) split by heads, the rest whole.
+int64_t MlaProjectionParams(const GPTConfig& config, int tensor = 1);
 
 // " > number of parameters on (tensor, pipeline) model parallel rank (4, 0): 941594624"
 std::string ParamCountLine(int tensor_rank, int pipeline_rank, int64_t num_params);

@@ -218,10 +218,12 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
   }
   auto move = [&](int64_t at) { return at < 0 ? -1 : moved[static_cast<size_t>(at)]; };
   for (LayerParams& lp : s.layers) {
-    for (int64_t* f : {&lp.ln1_w,      &lp.ln1_b,       &lp.qkv_w,         &lp.qkv_b,    &lp.proj_w,   &lp.proj_b,
-                       &lp.ln2_w,      &lp.ln2_b,       &lp.fc1_w,         &lp.fc1_b,    &lp.fc2_w,    &lp.fc2_b,
-                       &lp.q_norm_w,   &lp.q_norm_b,    &lp.k_norm_w,      &lp.k_norm_b, &lp.router_w, &lp.shared_fc1,
-                       &lp.shared_fc2, &lp.shared_gate, &lp.softmax_offset})
+    for (int64_t* f :
+         {&lp.ln1_w,        &lp.ln1_b,       &lp.qkv_w,          &lp.qkv_b,         &lp.proj_w,        &lp.proj_b,
+          &lp.ln2_w,        &lp.ln2_b,       &lp.fc1_w,          &lp.fc1_b,         &lp.fc2_w,         &lp.fc2_b,
+          &lp.q_norm_w,     &lp.q_norm_b,    &lp.k_norm_w,       &lp.k_norm_b,      &lp.router_w,      &lp.shared_fc1,
+          &lp.shared_fc2,   &lp.shared_gate, &lp.softmax_offset, &lp.mla_q_proj,    &lp.mla_q_down,    &lp.mla_q_norm_w,
+          &lp.mla_q_norm_b, &lp.mla_q_up,    &lp.mla_kv_down,    &lp.mla_kv_norm_w, &lp.mla_kv_norm_b, &lp.mla_kv_up})
       *f = move(*f);
     if (lp.experts >= 0) lp.experts = move(lp.experts + first * in.config.expert_floats() / in.tensor_size);
   }
@@ -234,22 +236,26 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
 namespace {
 // A multi-latent attention layer's tensors (LayerParams' mla_*), in MLASelfAttention's registration order:
 // linear_q_proj or linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, then the
-// latents' norms (--qk-layernorm). Every projection on init_method's normal, without bias.
+// latents' norms (--qk-layernorm). Every projection on init_method's normal, without bias. Tensor ranks
+// (megatron-core's MLA split, as its DeepSeek spec): linear_q_proj, linear_q_up_proj and linear_kv_up_proj
+// column-parallel (each rank its heads' rows), the down projections and the latents' norms whole on every rank
+// (duplicated; their gradients summed over the tensor group: NonTensorParallelGradRanges), linear_proj row-parallel
+// (Create's).
 template <typename AddIf>
-void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, AddIf& add_if, LayerParams* lp) {
+void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, int64_t T, AddIf& add_if, LayerParams* lp) {
   const std::string a = p + "self_attention.";
   const int64_t c = cf.hidden_size, qr = cf.q_lora_rank, kvr = cf.kv_lora_rank;
-  const int64_t q_rows = cf.num_attention_heads * cf.mla_q_head_dim();
+  const int64_t q_rows = cf.num_attention_heads * cf.mla_q_head_dim() / T;
   const bool lora = qr > 0, ln = cf.normalization == Normalization::kLayerNorm, norms = cf.qk_layernorm;
   const double std = cf.init_method_std;
   using Shape = std::vector<int64_t>;
   lp->qkv_w = lp->qkv_b = -1;
-  lp->mla_q_proj = add_if(!lora, a + "linear_q_proj.weight", Shape{q_rows, c}, std);
+  lp->mla_q_proj = add_if(!lora, a + "linear_q_proj.weight", Shape{q_rows, c}, std, 0.0f, 0);
   lp->mla_q_down = add_if(lora, a + "linear_q_down_proj.weight", Shape{qr, c}, std);
-  lp->mla_q_up = add_if(lora, a + "linear_q_up_proj.weight", Shape{q_rows, qr}, std);
+  lp->mla_q_up = add_if(lora, a + "linear_q_up_proj.weight", Shape{q_rows, qr}, std, 0.0f, 0);
   lp->mla_kv_down = add_if(true, a + "linear_kv_down_proj.weight", Shape{kvr + cf.qk_pos_emb_head_dim, c}, std);
   lp->mla_kv_up = add_if(true, a + "linear_kv_up_proj.weight",
-                         Shape{cf.num_attention_heads * (cf.qk_head_dim + cf.v_head_dim), kvr}, std);
+                         Shape{cf.num_attention_heads / T * (cf.qk_head_dim + cf.v_head_dim), kvr}, std, 0.0f, 0);
   lp->mla_q_norm_w = add_if(lora && norms, a + "q_layernorm.weight", Shape{qr}, 0.0, one);
   lp->mla_q_norm_b = add_if(lora && norms && ln, a + "q_layernorm.bias", Shape{qr}, 0.0);
   lp->mla_kv_norm_w = add_if(norms, a + "kv_layernorm.weight", Shape{kvr}, 0.0, one);
@@ -278,10 +284,6 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(
         fmt::format("--num-attention-heads ({}) must be a multiple of --tensor-model-parallel-size ({})",
                     config.num_attention_heads, tensor_size));
-  if (config.mla() && tensor_size > 1)
-    return absl::InvalidArgumentError(fmt::format(
-        "--multi-latent-attention with --tensor-model-parallel-size {}: multi-latent attention runs on one tensor rank",
-        tensor_size));
   if (config.moe() && config.moe_ffn() % tensor_size != 0)
     return absl::InvalidArgumentError(
         fmt::format("the experts' ffn (--moe-ffn-hidden-size, default --ffn-hidden-size: {}) must be a multiple of "
@@ -386,7 +388,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, one);
     lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
     if (config.mla()) {
-      AddMlaParams(config, p, one, add_if, &lp);
+      AddMlaParams(config, p, one, T, add_if, &lp);
     } else {
       lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
       lp.qkv_b =

@@ -178,8 +178,13 @@ TEST(MlaModel, OtherBackendsAndLayoutsAreRefused) {
   BackendOptions cuda;
   cuda.device = Device::kCuda;
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/2, 0).ok());
-  BackendOptions stage;  // pipeline stages hold their layers' projections
+  auto split = ParamLayout::Create(c, /*tensor_size=*/2, 1);  // one head per rank: its up projections' rows
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(split->Find("decoder.layers.0.self_attention.linear_kv_up_proj.weight")->shape,
+            (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(split->Find("decoder.layers.0.self_attention.linear_kv_down_proj.weight")->tensor_split_dim, -1);
+  EXPECT_FALSE(ParamLayout::Create(c, /*tensor_size=*/4, 0).ok());  // 2 heads over 4 ranks
+  BackendOptions stage;                                             // pipeline stages hold their layers' projections
   stage.pipeline_stage = PipelineStage{2, 1, 1, 1};
   auto staged = CreateModel(c, stage);
   ASSERT_TRUE(staged.ok()) << staged.status();

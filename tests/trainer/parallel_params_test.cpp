@@ -187,6 +187,24 @@ TEST(ParamsOnModelParallelRank, QKLayerNormsAreCountedWholeOnEveryTensorRank) {
   }
 }
 
+// Multi-latent attention's tensor ranks: the up projections (linear_q_proj without a q LoRA) split by heads, the down
+// projections and the latents' norms whole on every rank.
+TEST(ParamsOnModelParallelRank, MlaUpProjectionsAreSplitAndDownProjectionsWhole) {
+  for (int64_t q_lora : {0, 16}) {
+    GPTConfig c = Gpt(3, 48, 4, 40, 1000, 128, 4);
+    c.ffn_hidden_size = 200;
+    c.multi_latent_attention = true, c.qk_layernorm = true, c.mla_yarn = false;
+    c.q_lora_rank = q_lora, c.kv_lora_rank = 12, c.qk_head_dim = 8, c.qk_pos_emb_head_dim = 4, c.v_head_dim = 6;
+    for (int t : {1, 2, 4}) {
+      auto layout = ParamLayout::Create(c, t, t - 1);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      EXPECT_EQ(ParamsOnModelParallelRank(c, t, 1, 0, 3), layout->num_params) << "T " << t << " q_lora " << q_lora;
+      const int64_t up = (q_lora ? 4 * 12 * 16 : 4 * 12 * 48) + 4 * 14 * 12;  // heads x widths x inputs
+      EXPECT_EQ(MlaProjectionParams(c, 1) - MlaProjectionParams(c, t), up - up / t) << "T " << t;
+    }
+  }
+}
+
 TEST(CheckTensorSplit, RefusesHeadsOrMlpThatDoNotDivide) {
   GPTConfig c = Gpt(2, 96, 12, 16, 100, 1, 1);
   EXPECT_TRUE(CheckTensorSplit(c, 4).ok());

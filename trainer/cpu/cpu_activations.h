@@ -54,7 +54,7 @@ struct CpuGPTModel::Activations {
 };
 
 // The core attention's shape of a multi-latent attention layer (cpu_mla_layer.cpp).
-AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t);
+AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t, int64_t tensor = 1);
 
 // The masked loss sum and token count of a pass's per-token losses.
 inline LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n) {

@@ -189,10 +189,11 @@ class CpuGPTModel final : public GPTModel {
   int64_t RouterOf(int64_t l) const;
   int64_t moe_layer_offset_ = 0;
   // A multi-latent attention layer's projections (cpu_mla_layer.cpp): act_->qkv[l] (the core attention's
-  // per-head query, key and value) from act_->ln1[l]; backward from act_->dqkv, ln1's output gradient
-  // assigned to act_->dln. PrepareMla makes the rotary tables of the batch's length.
-  void MlaQkvForward(int64_t l, const LayerParams& lp);
-  void MlaQkvBackward(int64_t l, const LayerParams& lp);
+  // per-head query, key and value of this rank's heads) from x (act_->ln1[l], or its rows gathered under sequence
+  // parallelism); backward from act_->dqkv, x's gradient (this rank's heads' share with tensor ranks) assigned to
+  // act_->dln. PrepareMla makes the rotary tables of the batch's length.
+  void MlaQkvForward(int64_t l, const LayerParams& lp, const float* x);
+  void MlaQkvBackward(int64_t l, const LayerParams& lp, const float* x);
   void PrepareMla(int64_t t);
   // Multi-token prediction (mtp_cpu.cpp): after the main loss, each depth's forward, loss and backward; leaves
   // the decoder output's gradient from the first depth in dlnf_extra_, which RunBackward adds to the final

@@ -64,7 +64,7 @@ PassDims DimsOf(const ParamLayout& layout, const ModelBatch& batch, bool train) 
           cf.padded_vocab_size / T,
           train ? cf.hidden_dropout : 0.0,
           train ? cf.attention_dropout : 0.0,
-          cf.mla() ? MlaAttentionShape(cf, batch.b, batch.t)
+          cf.mla() ? MlaAttentionShape(cf, batch.b, batch.t, T)
                    : AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T},
           static_cast<uint64_t>(cf.num_layers)};
 }
@@ -135,7 +135,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, n, c);
     if (cf.mla()) {  // multi-latent attention: its own projections and rotary embedding
-      MlaQkvForward(l, lp);
+      MlaQkvForward(l, lp, a.ln1[l].data());
     } else {
       cpu::MatmulForward(QkvMatmulOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
                          QkvMatmulWidth(cf, shape));
@@ -274,13 +274,14 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     if (cf.mla()) {
-      MlaQkvBackward(l, lp);
+      MlaQkvBackward(l, lp, a.ln1[l].data());
     } else {
       std::fill(a.dln.begin(), a.dln.end(), 0.0f);
       cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), QkvMatmulGrad(cf, a, shape), a.ln1[l].data(),
                           P + lp.qkv_w, n, c, QkvMatmulWidth(cf, shape));
     }
-    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
+    // Column-parallel QKV (MLA: its heads' share of the input's gradient): the input gradient summed.
+    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
                  a.ln1_rstd[l].data(), n, c);
     GradsReady(static_cast<size_t>(stage_layers() - l));  // layer l

@@ -1,6 +1,8 @@
 // The CPU model's multi-latent attention layers (Megatron's MLASelfAttention of the local spec): the
 // projections around the core attention (trainer/cpu/mla_cpu.h) over the input norm's output, into the
-// fused buffer the core attention reads.
+// fused buffer the core attention reads. With tensor ranks each runs its heads (its rows of the column-parallel up
+// projections) and the whole down projections and latent norms, whose gradients and its input's are then its heads'
+// share, summed over the tensor group (the input's by the caller, the weights' by NonTensorParallelGradRanges).
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -10,12 +12,12 @@ namespace ptk {
 namespace {
 using cpu_model_detail::At;
 
-cpu::MlaSettings MlaSettingsOf(const GPTConfig& cf, int64_t b, int64_t t) {
+cpu::MlaSettings MlaSettingsOf(const GPTConfig& cf, int64_t b, int64_t t, int64_t tensor) {
   cpu::MlaSettings s;
   s.b = b;
   s.t = t;
   s.hidden = cf.hidden_size;
-  s.heads = cf.num_attention_heads;
+  s.heads = cf.num_attention_heads / tensor;  // this rank's
   s.q_lora = cf.q_lora_rank;
   s.kv_lora = cf.kv_lora_rank;
   s.qk = cf.qk_head_dim;
@@ -36,7 +38,9 @@ W MlaTensors(const LayerParams& lp, T* base) {
 }
 }  // namespace
 
-AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t) { return MlaSettingsOf(cf, b, t).shape(); }
+AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t, int64_t tensor) {
+  return MlaSettingsOf(cf, b, t, tensor).shape();
+}
 
 void CpuGPTModel::PrepareMla(int64_t t) {
   const GPTConfig& cf = config();
@@ -53,19 +57,19 @@ void CpuGPTModel::PrepareMla(int64_t t) {
   cpu::MlaRopeTables(a.mla_cos.data(), a.mla_sin.data(), t, cf.qk_pos_emb_head_dim, r);
 }
 
-void CpuGPTModel::MlaQkvForward(int64_t l, const LayerParams& lp) {
+void CpuGPTModel::MlaQkvForward(int64_t l, const LayerParams& lp, const float* x) {
   Activations& a = *act_;
-  const cpu::MlaSettings s = MlaSettingsOf(config(), a.b, a.t);
+  const cpu::MlaSettings s = MlaSettingsOf(config(), a.b, a.t, tensor_size());
   if (a.mla.size() != act_->qkv.size()) a.mla.resize(act_->qkv.size());
-  cpu::MlaQkvForward(a.qkv[l].data(), &a.mla[static_cast<size_t>(l)], a.ln1[l].data(),
+  cpu::MlaQkvForward(a.qkv[l].data(), &a.mla[static_cast<size_t>(l)], x,
                      MlaTensors<cpu::MlaWeights<float>>(lp, params_.data()), s, a.mla_cos.data(), a.mla_sin.data());
 }
 
-void CpuGPTModel::MlaQkvBackward(int64_t l, const LayerParams& lp) {
+void CpuGPTModel::MlaQkvBackward(int64_t l, const LayerParams& lp, const float* x) {
   Activations& a = *act_;
-  const cpu::MlaSettings s = MlaSettingsOf(config(), a.b, a.t);
+  const cpu::MlaSettings s = MlaSettingsOf(config(), a.b, a.t, tensor_size());
   cpu::MlaQkvBackward(a.dln.data(), MlaTensors<cpu::MlaGrads<float>>(lp, grads_.data()), a.dqkv.data(),
-                      a.mla[static_cast<size_t>(l)], a.ln1[l].data(),
+                      a.mla[static_cast<size_t>(l)], x,
                       MlaTensors<cpu::MlaWeights<float>>(lp, static_cast<const float*>(params_.data())), s,
                       a.mla_cos.data(), a.mla_sin.data());
 }

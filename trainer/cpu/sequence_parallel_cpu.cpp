@@ -10,6 +10,9 @@
 // their global index (sample, position, channel), so the masks are one rank's. With context
 // parallelism the batch holds a context rank's rows (their positions: context_positions_), which the
 // tensor ranks split alike; the attention is the context group's (context_parallel_cpu.cpp).
+// Multi-latent attention runs its down projections (whole on every rank) over the gathered rows, as
+// Megatron's column-parallel products gather their input; their gradients, every rank's heads' share
+// over all rows, are summed over the group as the norms'.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -157,11 +160,13 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
-  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.attention_width() / T,
                 f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
                 L = cf.num_layers, nl = r.nl;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
+  const AttentionShape shape =
+      cf.mla() ? MlaAttentionShape(cf, batch.b, batch.t, T)
+               : AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
   const float* P = params_.data();
   float* loc = a.sp_local.data();
   float* whole = a.sp_whole.data();  // a norm's output gathered for the product that follows it
@@ -189,12 +194,16 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
-    cpu::MatmulForward(QkvMatmulOut(a, l, cf), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, QkvMatmulWidth(cf, shape));
-    QkvGateSplit(cf, a, l, shape);
-    QKNormLayerForward(cf, a, l, P, lp, shape);
-    if (cf.rope())
-      cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
-                       cf.rotary_interleaved);
+    if (cf.mla()) {  // the down projections (whole on every rank) and this rank's heads over the gathered rows
+      MlaQkvForward(l, lp, whole);
+    } else {
+      cpu::MatmulForward(QkvMatmulOut(a, l, cf), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, QkvMatmulWidth(cf, shape));
+      QkvGateSplit(cf, a, l, shape);
+      QKNormLayerForward(cf, a, l, P, lp, shape);
+      if (cf.rope())
+        cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
+                         cf.rotary_interleaved);
+    }
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
@@ -238,11 +247,13 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
-  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.attention_width() / T,
                 f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
                 L = cf.num_layers, nl = r.nl;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
+  const AttentionShape shape =
+      cf.mla() ? MlaAttentionShape(cf, batch.b, batch.t, T)
+               : AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
   const float* P = params_.data();
   float* G = grads_.data();
   float* loc = a.sp_local.data();
@@ -301,8 +312,11 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     PTK_RETURN_IF_ERROR(LayerAttentionBackward(l, lp, shape, ap, seed));
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), QkvMatmulGrad(cf, a, shape), whole, P + lp.qkv_w,
-                        n, c, QkvMatmulWidth(cf, shape));
+    if (cf.mla())  // its heads' share of the input's gradient and of the down projections' and latent norms'
+      MlaQkvBackward(l, lp, whole);
+    else
+      cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), QkvMatmulGrad(cf, a, shape), whole, P + lp.qkv_w,
+                          n, c, QkvMatmulWidth(cf, shape));
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
