@@ -131,13 +131,13 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
   // The CUDA backend runs the sliding window (fp32 kernels and cuDNN's band) and the softmax offset (the fp32 kernels
   // only), on one context rank.
-  const bool cuda = backend.device != Device::kCpu;
+  const bool on_cuda = backend.device != Device::kCpu;
   const bool context = backend.context_comm && backend.context_comm->size() > 1;
-  if (cuda && context && (config.window_left >= 0 || config.softmax_sink()))
+  if (on_cuda && context && (config.window_left >= 0 || config.softmax_sink()))
     return absl::UnimplementedError(
         "window_left / softmax_type with context parallelism: the CUDA backend's context-parallel attention has "
         "neither the sliding window nor the softmax offset");
-  if (cuda && config.softmax_sink() && backend.precision != Precision::kFp32)
+  if (on_cuda && config.softmax_sink() && backend.precision != Precision::kFp32)
     return absl::UnimplementedError(fmt::format(
         "softmax_type {} in bf16/fp16 on CUDA: cuDNN's fused attention runs without the softmax offset in ptk (fp32 "
         "has it)",

@@ -99,10 +99,11 @@ TEST(AttentionVariantCuda, Fp32WindowAndSoftmaxOffsetMatchCpu) {
       ExpectWithin(d_dqkv.Download(), dqkv, 1e-5, "dqkv");
       if (k.sink) ExpectWithin(d_dsink.Download(), dsink, 1e-5, "dsink");
       // Outside the window the probabilities are exactly zero.
-      if (k.window >= 0)
+      if (k.window >= 0) {
         for (int64_t r = 0; r < s0.b * s0.nh * s0.t; ++r)
           for (int64_t j = 0; j < std::max<int64_t>(0, r % s0.t - k.window); ++j)
             ASSERT_EQ(got_probs[r * s0.t + j], 0.0f) << "row " << r << " key " << j;
+      }
     }
   }
 }

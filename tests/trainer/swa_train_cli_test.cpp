@@ -261,7 +261,7 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
   }
   // --device cuda takes the window and the softmax types (fp32): refused here only for the missing device, if at
   // all; a bf16 dry run takes the window.
-  for (const std::string cuda : {sm + " --device cuda", w + " --device cuda --bf16"}) {
+  for (const std::string& cuda : {sm + " --device cuda", w + " --device cuda --bf16"}) {
     auto r = RunCmd(base + cuda + " --train-iters 1");
     EXPECT_EQ(r.output.find("usage error: --window-size"), std::string::npos) << cuda << "\n" << r.output;
     EXPECT_EQ(r.output.find("--softmax-type learnable with"), std::string::npos) << cuda << "\n" << r.output;
