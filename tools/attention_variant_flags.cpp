@@ -108,13 +108,13 @@ void AddAttentionVariantFlags(CLI::App* app, TrainFlags* f) {
   TrainFlags::AttentionVariant& a = f->attn;
   app->add_option("--window-size", a.window_size,
                   "Sliding window attention (megatron-core's DotProductAttention window): \"LEFT,0\", each query "
-                  "attends itself and the LEFT keys before it (default none; CPU only)");
+                  "attends itself and the LEFT keys before it (default none; on CUDA not with context parallelism)");
   app->add_option("--window-attn-skip-freq", a.window_attn_skip_freq,
                   "Sliding window attention's full layers: N (every N-th layer has full attention) or a list pattern "
                   "of 1 (window) and 0 (full), one per layer (default: every layer windowed)");
   app->add_option("--softmax-type", a.softmax_type,
                   "The attention's softmax: vanilla (default), off-by-one (a 1 more in each denominator) or "
-                  "learnable (a learned logit per head beside the scores, core_attention.softmax_offset; CPU only)")
+                  "learnable (a learned logit per head beside the scores, core_attention.softmax_offset; CUDA: fp32)")
       ->check(CLI::IsMember({"vanilla", "off-by-one", "learnable"}));
 }
 
@@ -161,11 +161,17 @@ absl::Status RefuseAttentionVariantCombinations(const TrainFlags& f, Device devi
         "list pattern at the depths' layer numbers (--num-layers + 1 on), past its entries (IndexError); give a "
         "count N",
         f.attn.window_attn_skip_freq, *f.mtp.num_layers));
-  if (device != Device::kCpu)
+  const bool half = f.bf16 || f.fp16;
+  if (device != Device::kCpu && f.context_parallel_size > 1)
     return UsageError(fmt::format(
-        "{} with --device cuda (or --bf16 / --fp16: the CUDA backend's): ptk's sliding window and softmax types run "
-        "in the CPU backend's attention, without it for now",
-        flags));
+        "{} with --device cuda and {}: the CUDA backend's context-parallel attention has neither the sliding window "
+        "nor the softmax offset (--device cpu has them)",
+        flags, cp));
+  if (device != Device::kCpu && sink && half)
+    return UsageError(fmt::format(
+        "--softmax-type {} with {}: the CUDA backend's bf16/fp16 attention (cuDNN's) runs without the softmax offset "
+        "in ptk; fp32 (--device cuda without --bf16 / --fp16) and --device cpu have it",
+        f.attn.softmax_type, f.bf16 ? "--bf16" : "--fp16"));
   if (f.attn.softmax_type == "learnable" && f.options.model.init_method_xavier_uniform)
     return UsageError(
         "--softmax-type learnable with --init-method-xavier-uniform: Megatron's init_method (xavier_uniform_) "

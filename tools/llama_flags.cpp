@@ -124,16 +124,4 @@ void NoteRotaryFlags(const GPTConfig& m, std::vector<std::string>* notes) {
   }
 }
 
-absl::Status RefuseCpuOnlyAttention(const TrainFlags& f, Device device) {
-  const GPTConfig& m = f.options.model;
-  for (const auto& [flag, on] :
-       {std::pair{"--attention-output-gate", m.attention_output_gate}, {"--qk-l2-norm", m.qk_l2_norm}})
-    if (on && device != Device::kCpu)
-      return UsageError(
-          fmt::format("{} on --device cuda (or --bf16 / --fp16: the CUDA backend's): ptk's {} runs on "
-                      "the CPU backend only for now (--device cpu)",
-                      flag, std::string(flag) == "--qk-l2-norm" ? "query and key L2 norm" : "gated attention"));
-  return absl::OkStatus();
-}
-
 }  // namespace ptk

@@ -26,8 +26,6 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
       RefuseMtpCombinations(flags, flags.device == "cuda" || flags.bf16 || flags.fp16 ? Device::kCuda : Device::kCpu));
   PTK_RETURN_IF_ERROR(RefuseAttentionVariantCombinations(
       flags, flags.device == "cuda" || flags.bf16 || flags.fp16 ? Device::kCuda : Device::kCpu));
-  PTK_RETURN_IF_ERROR(
-      RefuseCpuOnlyAttention(flags, flags.device == "cuda" || flags.bf16 || flags.fp16 ? Device::kCuda : Device::kCpu));
   TrainFlags f = flags;
   f.tensor_model_parallel_size = f.pipeline_model_parallel_size = f.context_parallel_size = 1;
   f.moe.expert_tensor_parallel.reset();  // checked above at the plan's tensor size

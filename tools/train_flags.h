@@ -180,8 +180,6 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // --group-query-attention); a usage error naming the flag for a value ptk has not, or query groups
 // that tensor size `tp` does not divide. Both backends train every mix.
 absl::Status ResolveLlamaFlags(const TrainFlags& flags, int64_t tp, GPTConfig* model);
-// --attention-output-gate and --qk-l2-norm: the CPU backend's only (llama_flags.cpp).
-absl::Status RefuseCpuOnlyAttention(const TrainFlags& flags, Device device);
 // Notes for the rotary flags given where they have no effect (no RoPE; a factor without its scaling).
 void NoteRotaryFlags(const GPTConfig& model, std::vector<std::string>* notes);
 

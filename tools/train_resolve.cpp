@@ -486,7 +486,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(RefuseMlaParallelismAndDevice(f, device));
   PTK_RETURN_IF_ERROR(RefuseMtpCombinations(f, device));
   PTK_RETURN_IF_ERROR(RefuseAttentionVariantCombinations(f, device));
-  PTK_RETURN_IF_ERROR(RefuseCpuOnlyAttention(f, device));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

@@ -144,16 +144,19 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");
   if (config.mtp_num_layers > 0 && backend.context_comm && backend.context_comm->size() > 1)
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
-  const bool variant = config.window_left >= 0 || config.softmax_sink();
-  if (variant && backend.device != Device::kCpu)
+  // The CUDA backend runs the sliding window (fp32 kernels and cuDNN's band) and the softmax offset (the fp32 kernels
+  // only), on one context rank.
+  const bool on_cuda = backend.device != Device::kCpu;
+  const bool context = backend.context_comm && backend.context_comm->size() > 1;
+  if (on_cuda && context && (config.window_left >= 0 || config.softmax_sink()))
     return absl::UnimplementedError(
-        "window_left / softmax_type: sliding window attention and the softmax types run "
-        "on the CPU backend");
-  // Gated attention and the query and key L2 norm are the CPU passes' (cpu_gpt_model_pass.cpp).
-  if (config.attention_output_gate && backend.device != Device::kCpu)
-    return absl::UnimplementedError("--attention-output-gate: the gated attention runs on the CPU backend only");
-  if (config.qk_l2_norm && backend.device != Device::kCpu)
-    return absl::UnimplementedError("--qk-l2-norm: the query and key L2 norm runs on the CPU backend only");
+        "window_left / softmax_type with context parallelism: the CUDA backend's context-parallel attention has "
+        "neither the sliding window nor the softmax offset");
+  if (on_cuda && config.softmax_sink() && backend.precision != Precision::kFp32)
+    return absl::UnimplementedError(fmt::format(
+        "softmax_type {} in bf16/fp16 on CUDA: cuDNN's fused attention runs without the softmax offset in ptk (fp32 "
+        "has it)",
+        config.softmax_type));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
     PTK_ASSIGN_OR_RETURN(

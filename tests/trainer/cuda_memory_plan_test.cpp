@@ -59,6 +59,37 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
   EXPECT_LT(m.logit_chunk_rows, m.n);
 }
 
+// The attention variants' buffers: --attention-output-gate's gate and pre-gate output per layer inside a pipeline
+// slot's activations, the fused product's scratch (QKV and gate rows); --qk-l2-norm's raw product and rstd alone
+// (RMSNorm's statistics even under LayerNorm, no parameter scratch); off-by-one's zeros per head; none without them.
+TEST(CudaMemoryPlan, AttentionVariantsPlanTheirBuffers) {
+  GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 128;
+  const MemoryPlan plain = MustPlan(c, o);
+  for (int b : {plain.gate, plain.att_pre, plain.qkv_fused, plain.dgate, plain.qkv_raw, plain.sink_zeros})
+    EXPECT_EQ(b, -1);
+  c.attention_output_gate = c.qk_l2_norm = true;
+  c.softmax_type = "off-by-one";
+  const MemoryPlan m = MustPlan(c, o);
+  const int64_t n = 2 * 128, ct = 768, qw = 3 * 768;
+  EXPECT_EQ(m[m.gate].bytes, 12 * n * ct * 4);
+  EXPECT_EQ(m[m.att_pre].bytes, 12 * n * ct * 4);
+  EXPECT_EQ(m[m.qkv_fused].bytes, n * (qw + ct) * 4);
+  EXPECT_EQ(m[m.dgate].bytes, n * ct * 4);
+  EXPECT_EQ(m[m.qkv_raw].bytes, 12 * n * qw * 4);
+  EXPECT_EQ(m.qk_stats_per_layer, n * 24);  // rstd of 12 query and 12 key heads per token, no mean
+  EXPECT_EQ(m.qk_scratch, -1);
+  EXPECT_EQ(m[m.sink_zeros].bytes, 12 * 4);
+  for (int b : {m.gate, m.att_pre}) {  // a pipeline slot's activations: resid through lnf_stats
+    EXPECT_GT(m[b].offset, m[m.resid].offset);
+    EXPECT_LT(m[b].offset, m[m.lnf_stats].offset);
+  }
+  c.softmax_type = "learnable";  // the offset is a parameter: no zeros
+  EXPECT_EQ(MustPlan(c, o).sink_zeros, -1);
+}
+
 // Context parallelism: a rank plans its t = seq_length / C positions, probabilities of its queries over
 // the whole samples (t x C t), and the group's buffers (positions, gathered rows, whole samples); in bf16 the
 // same fp32 attention (its probabilities, not cuDNN's statistics) and the fp32 output and QKV gradient it

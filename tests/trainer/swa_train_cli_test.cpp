@@ -234,10 +234,15 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
       {w + " --window-attn-skip-freq [1,0] --mtp-num-layers 1",
        "usage error: --window-attn-skip-freq [1,0] with --mtp-num-layers 1: megatron-core's "
        "is_layer_window_attention indexes a list pattern"},
-      {sm + " --device cuda", with + "--device cuda"},
-      {w + " --device cuda", "usage error: --window-size 4,0 with --device cuda"},
-      {" --softmax-type off-by-one --device cuda", "usage error: --softmax-type off-by-one with --device cuda"},
-      {sm + " --dry-run --bf16", with + "--device cuda"},
+      // The CUDA backend: the window in every precision, the softmax types in fp32 only, neither under context
+      // parallelism.
+      {sm + " --dry-run --bf16",
+       "usage error: --softmax-type learnable with --bf16: the CUDA backend's bf16/fp16 attention (cuDNN's) runs "
+       "without the softmax offset"},
+      {" --softmax-type off-by-one --device cuda --fp16", "usage error: --softmax-type off-by-one with --fp16"},
+      {w + " --device cuda --context-parallel-size 2 --cp-comm-type allgather",
+       "usage error: --window-size 4,0 with --device cuda and --context-parallel-size 2 --cp-comm-type allgather: "
+       "the CUDA backend's context-parallel attention has neither"},
       {sm + " --dry-run --context-parallel-size 2", "usage error: --softmax-type learnable with --context-parallel"},
       {" --softmax-type learnable --init-method-xavier-uniform",
        "usage error: --softmax-type learnable with --init-method-xavier-uniform"},
@@ -254,6 +259,15 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
     auto r = RunCmd(base + sm + with_model + " --train-iters 1");
     EXPECT_EQ(r.exit_code, 0) << with_model << "\n" << r.output;
   }
+  // --device cuda takes the window and the softmax types (fp32): refused here only for the missing device, if at
+  // all; a bf16 dry run takes the window.
+  for (const std::string& cuda : {sm + " --device cuda", w + " --device cuda --bf16"}) {
+    auto r = RunCmd(base + cuda + " --train-iters 1");
+    EXPECT_EQ(r.output.find("usage error: --window-size"), std::string::npos) << cuda << "\n" << r.output;
+    EXPECT_EQ(r.output.find("--softmax-type learnable with"), std::string::npos) << cuda << "\n" << r.output;
+  }
+  auto dry = RunCmd(base + w + " --window-attn-skip-freq 2 --dry-run --bf16");
+  EXPECT_EQ(dry.exit_code, 0) << dry.output;
   auto plain = RunCmd(base + " --window-attn-skip-freq 2 --softmax-type vanilla --train-iters 1");
   EXPECT_EQ(plain.exit_code, 0) << plain.output;
   EXPECT_NE(plain.output.find("--window-attn-skip-freq: accepted, no effect without --window-size (as Megatron)"),

@@ -15,7 +15,8 @@
 namespace ptk::cuda::attention_detail {
 
 inline std::string ShapeString(const AttentionShape& s) {
-  return fmt::format("b={}, t={}, nh={}, hd={}, groups={}", s.b, s.t, s.nh, s.hd, s.groups());
+  return fmt::format("b={}, t={}, nh={}, hd={}, groups={}{}{}", s.b, s.t, s.nh, s.hd, s.groups(),
+                     s.window >= 0 ? fmt::format(", window={}", s.window) : "", s.sink ? ", softmax offset" : "");
 }
 
 inline absl::Status CheckShape(const AttentionShape& s, const std::string& where) {
@@ -24,7 +25,8 @@ inline absl::Status CheckShape(const AttentionShape& s, const std::string& where
   if (s.ng < 0 || s.nh % s.groups() != 0)
     return absl::InvalidArgumentError(
         fmt::format("{}: {} query groups do not divide {} query heads", where, s.groups(), s.nh));
-  if (s.t > INT_MAX / 4 || s.qkv_width() > INT_MAX || s.nh > INT_MAX)
+  if (s.window < -1) return absl::InvalidArgumentError(fmt::format("{}: window {} below -1", where, s.window));
+  if (s.t > INT_MAX / 4 || s.qkv_width() > INT_MAX || s.nh > INT_MAX || s.window >= INT_MAX)
     return absl::InvalidArgumentError(fmt::format("{}: sizes beyond cuBLAS's int range", where));
   return absl::OkStatus();
 }

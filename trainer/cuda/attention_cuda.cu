@@ -25,6 +25,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/attention_check.h"
 #include "trainer/cuda/attention_util.cuh"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -51,29 +52,40 @@ __device__ __forceinline__ uint64_t RowKey(const DropoutArgs& d, int64_t row, in
   return DropoutKey(d.seed, stream);
 }
 
+// The first key of query row i: 0, or under Megatron's sliding window (window, 0) i - window when that is later
+// (cpu FirstKey: keys i - window..i, both ends included).
+__device__ __forceinline__ int64_t FirstKey(int64_t i, int64_t window) {
+  return window < 0 || i <= window ? 0 : i - window;
+}
+
 // One block per row of probs(b, nh, t, t), rows starting at `row0`: the causal softmax of the
-// scores in place (S(i, j) for j <= i; zeros above the diagonal), then dropout when d.on.
-__global__ void CausalSoftmaxKernel(float* __restrict__ probs, int64_t row0, int64_t t, int64_t nh, DropoutArgs d) {
+// scores in place (S(i, j) for first <= j <= i, FirstKey; zeros elsewhere), then dropout when d.on.
+// sink (device, per head; may be null): Megatron's softmax offset, a logit beside the row's scores in the softmax,
+// dropped after it (its exp() adds to the denominator), as cpu SoftmaxRow.
+__global__ void CausalSoftmaxKernel(float* __restrict__ probs, int64_t row0, int64_t t, int64_t nh, DropoutArgs d,
+                                    int64_t window, const float* __restrict__ sink) {
   __shared__ float smax[33];
   __shared__ double ssum[33];
   const int64_t row = row0 + blockIdx.x;
-  const int64_t i = row % t;
+  const int64_t i = row % t, first = FirstKey(i, window);
+  const float offset = sink ? sink[(row / t) % nh] : 0.0f;
   float* r = probs + row * t;
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, r[j]);
+  float mx = sink ? offset : -INFINITY;
+  for (int64_t j = first + threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, r[j]);
   mx = BlockMax(mx, smax);
   double sum = 0.0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
+  for (int64_t j = first + threadIdx.x; j <= i; j += blockDim.x) {
     const float e = expf(r[j] - mx);
     r[j] = e;
     sum += static_cast<double>(e);
   }
   sum = BlockSum(sum, ssum);
+  if (sink) sum += static_cast<double>(expf(offset - mx));
   const float inv = static_cast<float>(1.0 / sum);
   const uint64_t key = d.on ? RowKey(d, row, t, nh) : 0;
   for (int64_t j = threadIdx.x; j < t; j += blockDim.x) {
     float v = 0.0f;
-    if (j <= i) {
+    if (j >= first && j <= i) {
       v = r[j] * inv;
       if (d.on) v = DropoutKeepKeyed(key, static_cast<uint64_t>(i * t + j), d.threshold) ? v * d.scale : 0.0f;
     }
@@ -98,18 +110,21 @@ __global__ void DropoutCopyKernel(float* __restrict__ dst, const float* __restri
 }
 
 // Softmax backward of one row, in place in dp (rows [row0, row0 + gridDim.x) of probs; dp's rows
-// from 0): dP = dropout(dP'), dot = sum_j P dP (double), dS = P * (dP - dot) * scale, zeros above
-// the diagonal. The CPU's expression order throughout.
+// from 0): dP = dropout(dP'), dot = sum_j P dP (double), dS = P * (dP - dot) * scale over the row's keys
+// first..i (FirstKey), zeros elsewhere. The CPU's expression order throughout. With sink_rows (the softmax offset's
+// gradient wanted) each row's share of it, -p_sink * dot (p_sink = 1 - the row's probabilities' sum, in double),
+// goes to sink_rows[blockIdx.x], as cpu AttentionRowsBackward's.
 __global__ void SoftmaxBackwardKernel(float* __restrict__ dp, const float* __restrict__ probs, int64_t row0, int64_t t,
-                                      int64_t nh, float scale, DropoutArgs d) {
+                                      int64_t nh, float scale, DropoutArgs d, int64_t window,
+                                      double* __restrict__ sink_rows) {
   __shared__ double ssum[33];
   const int64_t row = row0 + blockIdx.x;
-  const int64_t i = row % t;
+  const int64_t i = row % t, first = FirstKey(i, window);
   const float* p = probs + row * t;
   float* g = dp + static_cast<int64_t>(blockIdx.x) * t;
   const uint64_t key = d.on ? RowKey(d, row, t, nh) : 0;
   double dot = 0.0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
+  for (int64_t j = first + threadIdx.x; j <= i; j += blockDim.x) {
     float v = g[j];
     if (d.on) {
       v = DropoutKeepKeyed(key, static_cast<uint64_t>(i * t + j), d.threshold) ? v * d.scale : 0.0f;
@@ -119,7 +134,28 @@ __global__ void SoftmaxBackwardKernel(float* __restrict__ dp, const float* __res
   }
   dot = BlockSum(dot, ssum);
   const float tdot = static_cast<float>(dot);
-  for (int64_t j = threadIdx.x; j < t; j += blockDim.x) g[j] = j <= i ? p[j] * (g[j] - tdot) * scale : 0.0f;
+  for (int64_t j = threadIdx.x; j < t; j += blockDim.x)
+    g[j] = j >= first && j <= i ? p[j] * (g[j] - tdot) * scale : 0.0f;
+  if (!sink_rows) return;
+  double kept = 0.0;
+  for (int64_t j = first + threadIdx.x; j <= i; j += blockDim.x) kept += static_cast<double>(p[j]);
+  kept = BlockSum(kept, ssum);
+  if (threadIdx.x == 0) sink_rows[blockIdx.x] = -((1.0 - kept) * dot);
+}
+
+// One thread per head h: batch element b's rows' shares of the softmax offset's gradient (sink_rows, (nh, t) as
+// SoftmaxBackwardKernel left them) summed in row order, then added to the head's running sum over the batch (acc,
+// double): the CPU op's order. With `finish` acc[h] is added to dsink[h] in fp32.
+__global__ void SinkGradKernel(double* __restrict__ acc, float* __restrict__ dsink,
+                               const double* __restrict__ sink_rows, int64_t t, int64_t nh, bool first_batch,
+                               bool finish) {
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (h >= nh) return;
+  double rows = 0.0;
+  for (int64_t i = 0; i < t; ++i) rows += sink_rows[h * t + i];
+  const double total = (first_batch ? 0.0 : acc[h]) + rows;
+  acc[h] = total;
+  if (finish) dsink[h] += static_cast<float>(total);
 }
 
 // ---- fp32: products ------------------------------------------------------------------------------
@@ -149,7 +185,8 @@ absl::Status Softmax(float* probs, const AttentionShape& s, const DropoutArgs& d
   constexpr int64_t kMaxGrid = INT_MAX;
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxGrid) {
     const int64_t count = rows - r0 < kMaxGrid ? rows - r0 : kMaxGrid;
-    CausalSoftmaxKernel<<<static_cast<unsigned>(count), RowThreadsFor(s.t), 0, ctx.stream>>>(probs, r0, s.t, s.nh, d);
+    CausalSoftmaxKernel<<<static_cast<unsigned>(count), RowThreadsFor(s.t), 0, ctx.stream>>>(probs, r0, s.t, s.nh, d,
+                                                                                             s.window, s.sink);
     PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
   }
   return absl::OkStatus();
@@ -201,7 +238,8 @@ absl::Status AttentionForward(float* out, float* probs, const float* qkv, const 
   return absl::OkStatus();
 }
 
-int64_t AttentionBackwardScratch(const AttentionShape& s) { return s.nh * s.t * s.t; }
+// The dP rows, then the softmax offset's doubles (launch_math.h; used when s.dsink is set).
+int64_t AttentionBackwardScratch(const AttentionShape& s) { return AttentionScratchFloats(s.nh, s.t); }
 
 absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* probs,
                                const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
@@ -220,6 +258,11 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
   const int threads = RowThreadsFor(t);
   const int64_t rows = nh * t;  // rows of one batch element; scratch holds them
   if (rows > INT_MAX) return absl::InvalidArgumentError(fmt::format("{}: nh * t beyond one launch", where));
+  // The softmax offset's gradient (s.dsink): each row's share, then per head over the batch in order.
+  double* sink_rows = s.dsink ? reinterpret_cast<double*>(scratch + SinkScratchOffset(nh, t)) : nullptr;
+  double* sink_acc = s.dsink ? sink_rows + rows : nullptr;
+  if (s.dsink && !s.sink)
+    return absl::InvalidArgumentError(fmt::format("{}: the softmax offset's gradient without the offset", where));
   for (int64_t b = 0; b < s.b; ++b) {
     const float* base = qkv + b * t * W;
     const float* k = base + H.Key(hd);
@@ -255,8 +298,13 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
         return st;
     }
     SoftmaxBackwardKernel<<<static_cast<unsigned>(rows), threads, 0, ctx.stream>>>(scratch, probs, row0, t, nh, scale,
-                                                                                   d);
+                                                                                   d, s.window, sink_rows);
     PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+    if (s.dsink) {
+      SinkGradKernel<<<static_cast<unsigned>((nh + 127) / 128), 128, 0, ctx.stream>>>(sink_acc, s.dsink, sink_rows, t,
+                                                                                      nh, b == 0, b + 1 == s.b);
+      PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+    }
     for (int64_t i = 0; i < pg; ++i) {
       // dQ^T(d, i) = sum_j K[j, d] dS[i, j]: A = K stored (hd, t) op N, B = dS stored (t, t) op N.
       if (absl::Status st = RunBatched(

@@ -134,6 +134,14 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
         fmt::format("--sequence-parallel: --seq-length {} is not divisible by the tensor group's {} ranks",
                     config().seq_length, tensor_size()));
   PTK_RETURN_IF_ERROR(SetContext(options.context));
+  // The attention variants the CUDA attention lacks (CreateModel and ptk-train refuse them first).
+  if (kFlash && config().softmax_sink())
+    return absl::UnimplementedError(fmt::format(
+        "softmax_type {} in bf16/fp16 on CUDA: cuDNN's fused attention runs without the softmax offset in ptk",
+        config().softmax_type));
+  if (cp() && (config().window_left >= 0 || config().softmax_sink()))
+    return absl::UnimplementedError(
+        "window_left / softmax_type with context parallelism on CUDA: its attention has neither");
   if (logits_budget_bytes_ < 0)
     return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
   // The caller's device index is the local rank (tools/train_main.cpp): refused where it has no GPU.
@@ -237,11 +245,22 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
     // training runs one sample per call (AttentionFwd).
     PTK_ASSIGN_OR_RETURN(const int64_t flash, FlashAttentionWorkspaceBytes<T>(shape, 0.0, ctx_));
     o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, flash);
+    if (config().window_left >= 0) {  // the sliding window's graphs (cuDNN's diagonal band) may ask for more
+      AttentionShape windowed = shape;
+      windowed.window = config().window_left;
+      PTK_ASSIGN_OR_RETURN(const int64_t band, FlashAttentionWorkspaceBytes<T>(windowed, 0.0, ctx_));
+      o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, band);
+    }
     if (config().attention_dropout > 0) {
-      PTK_ASSIGN_OR_RETURN(const int64_t one,
-                           FlashAttentionWorkspaceBytes<T>(AttentionShape{1, t, shape.nh, shape.hd, shape.ng},
-                                                           config().attention_dropout, ctx_));
-      o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
+      AttentionShape one{1, t, shape.nh, shape.hd, shape.ng};
+      PTK_ASSIGN_OR_RETURN(const int64_t bytes, FlashAttentionWorkspaceBytes<T>(one, config().attention_dropout, ctx_));
+      o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, bytes);
+      if (config().window_left >= 0) {
+        one.window = config().window_left;
+        PTK_ASSIGN_OR_RETURN(const int64_t band,
+                             FlashAttentionWorkspaceBytes<T>(one, config().attention_dropout, ctx_));
+        o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, band);
+      }
     }
   }
   return o;
@@ -295,6 +314,10 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
   PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
   if (cp()) PTK_RETURN_IF_ERROR(UploadContextTables());  // this rank's positions' tables (cuda_context_parallel.cpp)
+  if (plan_.sink_zeros >= 0)                             // --softmax-type off-by-one: the offset's zeros
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(Buf<float>(plan_.sink_zeros), 0,
+                                             static_cast<size_t>(plan_[plan_.sink_zeros].bytes), ctx_.stream),
+                             "zeroing the softmax offset");
   std::vector<float> rope;  // cos then sin, as the CPU model's tables (a longer t has the same first rows)
   if (config().rope() && !cp()) {
     const int64_t half = config().rotary_dim() / 2;

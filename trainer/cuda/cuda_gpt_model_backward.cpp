@@ -72,11 +72,24 @@ absl::Status CudaGPTModelImpl<T>::AttentionBranchBackward(int64_t l, const T* dp
   PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
                          MatmulBackward<T>(datt, Grad(lp.proj_w), proj_bias ? Grad(lp.proj_b) : nullptr, dproj,
                                            Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
-  PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+  // --attention-output-gate: datt (the gated output's gradient) becomes the core attention's, the gate's in dgate.
+  const bool gated = cf.attention_output_gate;
+  if (gated)
+    PTK_RETURN_IF_ERROR(Op("output_gate", "output gate backward",
+                           OutputGateBackward<T>(datt, Buf<T>(plan_.dgate), Act(plan_.att_pre, l, n * ct),
+                                                 Act(plan_.gate, l, n * ct), n * ct, ctx_)));
+  PTK_RETURN_IF_ERROR(
+      Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, LayerShape(l, /*backward=*/true), ap, seed)));
   PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
-  return Op("matmul", "qkv backward",
-            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), n,
-                              c, qw, ctx_));
+  T* dproduct = dqkv;  // with the gate: the QKV and gate gradients merged into the fused product's rows
+  if (gated) {
+    dproduct = Buf<T>(plan_.qkv_fused);
+    PTK_RETURN_IF_ERROR(
+        Op("output_gate", "gate merge", MergeGatedQkv<T>(dproduct, dqkv, Buf<T>(plan_.dgate), shape, ctx_)));
+  }
+  return Op("matmul", gated ? "qkv+gate backward" : "qkv backward",
+            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dproduct, Act(plan_.ln1, l, n * c),
+                              Compute(lp.qkv_w), n, c, qw + (gated ? ct : 0), ctx_));
 }
 
 template <typename T>
@@ -193,6 +206,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
   const int64_t n = n_, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
   const T* qkv = Act(plan_.qkv, l, n * qw);
   const bool recompute = config().recompute_activations;
+  // The core attention's output (before --attention-output-gate's gate).
+  const int out_index = config().attention_output_gate ? plan_.att_pre : plan_.atty;
   if (cp()) {  // cuda_context_parallel.cpp: bf16/fp16's cuDNN pairs (ContextFlash), else the fp32 rows attention
     float* probs = Buf<float>(plan_.attn_saved) + ContextSavedOffset(l, shape);
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
@@ -200,7 +215,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     // dropped. ContextFlash keeps every layer's output and log-sum-exps (as cuDNN's statistics on one GPU).
     if (recompute && !ContextFlash())
       PTK_RETURN_IF_ERROR(ContextAttnFwd(kFlash ? nullptr : Buf<T>(plan_.tmp), probs, qkv, shape, ap, seed, streams));
-    return ContextAttnBwd(dqkv, datt, Act(plan_.atty, l, n * c), qkv, probs, shape, ap, seed, streams);
+    return ContextAttnBwd(dqkv, datt, Act(out_index, l, n * c), qkv, probs, shape, ap, seed, streams);
   }
   if constexpr (kFlash) {
     const int64_t nh = shape.nh;
@@ -214,14 +229,15 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
       qkv = heads;
       dq = Buf<T>(plan_.dqkv_heads);
     }
-    const T* out = Act(plan_.atty, l, n * c);
+    const T* out = Act(out_index, l, n * c);
     const int64_t per_sample = FlashStatsStride(nh, t_);  // as AttentionFwd keeps them
     const float* stats = Buf<float>(plan_.attn_saved) + SlotLayer(l) * b_ * per_sample;
     if (ap <= 0) {
       PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_));
     } else {
       // Dropout: one sample per call with the forward's key, so the same mask.
-      const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
+      AttentionShape one = shape;  // the layer's window too
+      one.b = 1;
       for (int64_t r = 0; r < b_; ++r) {
         const int64_t row = r * t_;
         PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq + row * qw, datt + row * c, out + row * c,
@@ -234,8 +250,11 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
   } else {
     float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
-    if (recompute)  // the probabilities again; the output lands in a scratch buffer
-      PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
+    if (recompute) {  // the probabilities again; the output lands in a scratch buffer
+      AttentionShape forward = shape;
+      forward.dsink = nullptr;
+      PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, forward, ap, seed, streams, ctx_));
+    }
     return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
   }
 }
@@ -247,6 +266,10 @@ absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const Att
     PTK_RETURN_IF_ERROR(
         Op("rope", "rope backward",
            RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), cf.rotary_interleaved, ctx_)));
+  if (cf.qk_l2_norm)  // no weights: the raw product's gradient only
+    return Op("rmsnorm", "q/k l2 norms backward",
+              QKNormBackward<T>(dqkv, nullptr, nullptr, nullptr, nullptr, Act(plan_.qkv_raw, l, n_ * shape.qkv_width()),
+                                nullptr, nullptr, nullptr, QKRstd(l), shape, nullptr, ctx_));
   if (!cf.qk_layernorm) return absl::OkStatus();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   return Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms backward",

@@ -312,6 +312,22 @@ class CudaGPTModelImpl final : public GPTModel {
     return AttentionShape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim(),
                           cf.query_groups() / tensor_size()};
   }
+  // Layer l's core attention: Shape() with Megatron's sliding window where the layer has it, and (fp32: the model
+  // refuses it in bf16/fp16, CreateModel) the softmax offset, learnable's parameter (its gradient when `backward`) or
+  // off-by-one's zeros (plan_.sink_zeros).
+  AttentionShape LayerShape(int64_t l, bool backward) const {
+    const GPTConfig& cf = config();
+    AttentionShape s = Shape();
+    if (cf.window_layer(GlobalLayer(l))) s.window = cf.window_left;
+    const int64_t offset = layout().layers[static_cast<size_t>(l)].softmax_offset;
+    if (!kFlash && offset >= 0) {
+      s.sink = Master(offset);
+      if (backward) s.dsink = Grad(offset);
+    } else if (!kFlash && cf.softmax_sink()) {
+      s.sink = Buf<float>(plan_.sink_zeros);
+    }
+    return s;
+  }
   bool Rms() const { return config().normalization == Normalization::kRMSNorm; }
   // RoPE's fp32 tables (cos, then sin: plan_.t x rotary dim / 2 each), uploaded by Plan.
   const float* RopeCos() const { return Buf<float>(plan_.rope_tables); }
@@ -319,11 +335,14 @@ class CudaGPTModelImpl final : public GPTModel {
   // --qk-layernorm: layer l's query and key norm statistics (per token and normalised head, the
   // planned n apart, as Stats): LayerNorm's mean (null under RMSNorm) and rstd. Per layer of the slot
   // (SlotLayer: a model chunk's slot holds its own layers only, as Act and Stats index them).
+  // --qk-l2-norm keeps rstd alone, as RMSNorm (QKCentred false).
+  bool QKCentred() const { return !Rms() && !config().qk_l2_norm; }
   float* QKMean(int64_t l) const {
-    return Rms() ? nullptr : Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer;
+    return !QKCentred() ? nullptr : Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer;
   }
   float* QKRstd(int64_t l) const {
-    return Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer + (Rms() ? 0 : plan_.n * plan_.qk_rows);
+    return Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer +
+           (QKCentred() ? plan_.n * plan_.qk_rows : 0);
   }
 
   // cuda_gpt_model_pass.cpp.

@@ -246,23 +246,40 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
   const GPTConfig& cf = config();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const AttentionShape shape = Shape();  // this tensor rank's heads and groups
-  const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width();
+  const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width(), ct = shape.nh * shape.hd;
+  const bool gated = cf.attention_output_gate, normed = cf.qk_layernorm || cf.qk_l2_norm;
   T* qkv = Act(plan_.qkv, l, n * qw);
-  // --qk-layernorm: the product lands in qkv_raw (what the norms' backward reads), normalised into qkv.
-  T* product = cf.qk_layernorm ? Act(plan_.qkv_raw, l, n * qw) : qkv;
-  PTK_RETURN_IF_ERROR(
-      Op("matmul", "qkv",
-         MatmulForward<T>(product, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+  // --qk-layernorm / --qk-l2-norm: the product lands in qkv_raw (what the norms' backward reads), normalised into
+  // qkv. --attention-output-gate: the product's rows carry the gate's heads too (qkv_fused), split off into gate[l].
+  T* product = normed ? Act(plan_.qkv_raw, l, n * qw) : qkv;
+  T* gate = gated ? Act(plan_.gate, l, n * ct) : nullptr;
+  PTK_RETURN_IF_ERROR(Op("matmul", gated ? "qkv+gate" : "qkv",
+                         MatmulForward<T>(gated ? Buf<T>(plan_.qkv_fused) : product, Act(plan_.ln1, l, n * c),
+                                          Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw + (gated ? ct : 0), ctx_)));
+  if (gated)
+    PTK_RETURN_IF_ERROR(
+        Op("output_gate", "gate split", SplitGatedQkv<T>(product, gate, Buf<T>(plan_.qkv_fused), shape, ctx_)));
   if (cf.qk_layernorm)
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms",
                            QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, LnW(lp.q_norm_w), Ln(lp.q_norm_b),
                                             LnW(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
+  if (cf.qk_l2_norm)  // megatron-core's L2Norm: RMSNorm's arithmetic with unit weights (null), as the CPU model
+    PTK_RETURN_IF_ERROR(Op("rmsnorm", "q/k l2 norms",
+                           QKNormForward<T>(qkv, nullptr, QKRstd(l), product, nullptr, nullptr, nullptr, nullptr, shape,
+                                            cf.layernorm_epsilon, ctx_)));
   if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
     PTK_RETURN_IF_ERROR(
         Op("rope", "rope",
            RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), cf.rotary_interleaved, ctx_)));
-  return Op("attention", "attention",
-            AttentionFwd(Act(plan_.atty, l, n * shape.nh * shape.hd), qkv, l, shape, ap, seed));
+  T* atty = Act(plan_.atty, l, n * ct);
+  // The core attention's shape: the layer's sliding window and softmax offset (LayerShape).
+  PTK_RETURN_IF_ERROR(Op(
+      "attention", "attention",
+      AttentionFwd(gated ? Act(plan_.att_pre, l, n * ct) : atty, qkv, l, LayerShape(l, /*backward=*/false), ap, seed)));
+  if (!gated) return absl::OkStatus();
+  // atty = att_pre * sigmoid(gate): proj's input.
+  return Op("output_gate", "output gate",
+            OutputGateForward<T>(atty, Act(plan_.att_pre, l, n * ct), gate, n * ct, ctx_));
 }
 
 template <typename T>
@@ -285,7 +302,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
     float* stats = Buf<float>(plan_.attn_saved) + SlotLayer(l) * b_ * per_sample;
     if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
     // Dropout: one sample per call, its own key (Prepare).
-    const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
+    AttentionShape one = shape;  // the layer's window too
+    one.b = 1;
     for (int64_t r = 0; r < b_; ++r)
       PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * per_sample, qkv + r * t_ * qw, one,
                                                    ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));

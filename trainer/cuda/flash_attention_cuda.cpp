@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/cuda/attention_check.h"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -81,6 +82,7 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
                       .set_generate_stats(true)
                       .set_causal_mask(true)
                       .set_attn_scale(scale);
+      if (key.window >= 0) opts.set_diagonal_band_left_bound(static_cast<int>(CudnnWindowLeftBound(key.window)));
       if (dropout) opts.set_dropout(static_cast<float>(p), seed, offset);
       auto [O, Stats] = g->sdpa(Q, K, V, opts);
       O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
@@ -103,6 +105,7 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
                       .set_name("ptk_flash_attention_backward")
                       .set_causal_mask(true)
                       .set_attn_scale(scale);
+      if (key.window >= 0) opts.set_diagonal_band_left_bound(static_cast<int>(CudnnWindowLeftBound(key.window)));
       if (dropout) opts.set_dropout(static_cast<float>(p), seed, offset);
       if (key.deterministic) opts.set_deterministic_algorithm(true);
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
@@ -123,8 +126,10 @@ FlashKey MakeKey(const CudaContext& ctx, bool backward, const AttentionShape& s,
   uint64_t bits = 0;
   static_assert(sizeof(bits) == sizeof(p));
   std::memcpy(&bits, &p, sizeof(p));
-  return FlashKey{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd, s.groups(),
-                  bits,      backward && ctx.deterministic};
+  FlashKey key{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd, s.groups(),
+               bits,      backward && ctx.deterministic};
+  key.window = s.window;
+  return key;
 }
 
 // The single-GPU graph for `key` from the cache, built on first use; with `max_workspace` >= 0 one whose workspace

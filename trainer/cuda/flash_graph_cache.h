@@ -42,7 +42,12 @@ struct FlashKey {
   uint64_t p_bits;               // the dropout probability, bit for bit (it is part of the graph)
   bool deterministic;
   int pair = 0;  // 0: the single-GPU graph; a context-parallel pair's (ContextFlashPair*): kPairCausal, kPairFull
-  auto Tie() const { return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic, pair); }
+  // Megatron's sliding window (AttentionShape::window; the single-GPU graph only): -1 none, else the keys a query
+  // row attends before itself (cuDNN's diagonal band left bound window + 1: it keeps key > query - bound).
+  int64_t window = -1;
+  auto Tie() const {
+    return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic, pair, window);
+  }
   bool operator<(const FlashKey& o) const { return Tie() < o.Tie(); }
 };
 struct FlashGraph {
@@ -79,6 +84,11 @@ absl::Status CheckFlash(const AttentionShape& s, double p, const CudaContext& ct
   if (absl::Status st = attention_detail::CheckShape(s, where); !st.ok()) return st;
   if (!(p >= 0.0 && p < 1.0))
     return absl::InvalidArgumentError(fmt::format("{}: dropout probability {} outside [0, 1)", where, p));
+  if (s.sink || s.dsink)  // cuDNN 9.13+ has a sink token; ptk's graphs do not use it yet
+    return absl::UnimplementedError(
+        fmt::format("{}: a softmax offset (--softmax-type) in bf16/fp16 attention: ptk's cuDNN graphs take none (the "
+                    "fp32 kernels of attention_cuda.cu do)",
+                    where));
   if (!ctx.cudnn)
     return absl::FailedPreconditionError(
         fmt::format("{}: the context has no cuDNN handle (CreateCudnnHandle first)", where));

@@ -27,4 +27,16 @@ inline bool NeedsSharedMemoryOptIn(int64_t dynamic_bytes, int64_t static_bytes) 
 // one head per tensor rank) the plain product would start a sample's statistics misaligned.
 inline int64_t FlashStatsStride(int64_t nh, int64_t t) { return (nh * t + 3) / 4 * 4; }
 
+// Megatron's sliding window (window, 0) as cuDNN's SDPA diagonal band: cuDNN keeps key j of query row i where
+// j + left_bound > i (cudnn-frontend's sliding_window_mask, top-left aligned; the causal mask keeps j <= i), so the
+// bound window + 1 keeps keys i - window..i, the CPU op's (attention_rows_cpu.cpp's FirstKey).
+inline int64_t CudnnWindowLeftBound(int64_t window) { return window + 1; }
+inline bool CudnnBandKeeps(int64_t i, int64_t j, int64_t left_bound) { return j <= i && j + left_bound > i; }
+
+// The fp32 attention backward's scratch (AttentionBackwardScratch, floats): the dP rows of one sample (nh * t * t
+// floats) rounded up to whole doubles, then the softmax offset's per-row shares (nh * t doubles) and per-head sums
+// (nh doubles). The doubles start at SinkScratchOffset floats: 8-byte aligned in an 8-byte aligned buffer.
+inline int64_t SinkScratchOffset(int64_t nh, int64_t t) { return (nh * t * t + 1) / 2 * 2; }
+inline int64_t AttentionScratchFloats(int64_t nh, int64_t t) { return SinkScratchOffset(nh, t) + 2 * (nh * t + nh); }
+
 }  // namespace ptk::cuda

@@ -225,6 +225,12 @@ void AddScratchBuffers(const GPTConfig& cf, const PlanOptions& o, int64_t nr, in
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
   if (cf.qk_layernorm)
     m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
+  if (cf.attention_output_gate) {
+    m.qkv_fused = add("scratch: QKV and gate product (gated attention)", n * (qw + ct) * a, act_lower);
+    m.dgate = add("scratch: attention output gate gradient", n * ct * a, act_lower);
+  }
+  if (cf.softmax_sink() && !cf.learnable_softmax())
+    m.sink_zeros = add("softmax offset zeros (off-by-one)", cf.num_attention_heads / o.tensor * 4);
   if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
   if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
   if (!m.RowsAttention() && grouped) {
@@ -297,13 +303,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
-  if (cf.qk_layernorm) {  // inside the slot's activations: a pipeline stage keeps them per micro-batch
+  if (cf.qk_layernorm || cf.qk_l2_norm) {  // inside the slot's activations: a pipeline stage keeps them per micro-batch
     m.qk_rows = nh + ng;
-    m.qk_stats_per_layer = (cf.normalization == Normalization::kRMSNorm ? 1 : 2) * n * m.qk_rows;
+    m.qk_stats_per_layer = (cf.normalization == Normalization::kRMSNorm || cf.qk_l2_norm ? 1 : 2) * n * m.qk_rows;
     m.qkv_raw = add("activations: QKV before the query and key norms", L * n * qw * a, act_lower);
     m.qk_stats = add("activations: query and key norm statistics", L * m.qk_stats_per_layer * 4, act_lower);
   }
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
+  if (cf.attention_output_gate) {  // --attention-output-gate: the gate and the core attention's output before it
+    m.gate = add("activations: attention output gate", L * n * ct * a, act_lower);
+    m.att_pre = add("activations: attention output before the gate", L * n * ct * a, act_lower);
+  }
   AddAttentionSaved(o, L, nh, act_lower, add);
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);

@@ -53,6 +53,12 @@ struct MemoryPlan {
   // LayerNorm (qk_stats_per_layer floats a layer: 2 x n x qk_rows), rstd alone under RMSNorm.
   int qkv_raw = -1, qk_stats = -1;
   int64_t qk_rows = 0, qk_stats_per_layer = 0;
+  // --attention-output-gate (-1 without): per layer the gate (n, attention width) and the core attention's output
+  // before it (atty holds the gated output, proj's input); scratch: the fused QKV-and-gate product (its gradient in
+  // backward) and the gate's gradient.
+  int gate = -1, att_pre = -1, qkv_fused = -1, dgate = -1;
+  // --softmax-type off-by-one (-1 otherwise): the offset's zeros, one per head of this rank (fp32, zeroed by Plan).
+  int sink_zeros = -1;
   // The Llama line (empty otherwise): RoPE's fp32 cos and sin tables (t, rotary dim / 2) each,
   // computed once on the host; SwiGLU's output gradient (fc2's input gradient, before SwiGLU's
   // backward); with grouped-query attention in bf16/fp16, a layer's QKV and its gradient heads

@@ -194,6 +194,25 @@ absl::Status QKNormBackward(T* dqkv, float* dwq, float* dbq, float* dwk, float* 
                             double* scratch, const CudaContext& ctx);
 int64_t QKNormBackwardScratch(const AttentionShape& s);
 
+// With wq = wk = null the weights are ones (Megatron's --qk-l2-norm: megatron-core's L2Norm, RMSNorm's arithmetic with
+// unit weights; mean, bq, bk null), and the backward, given null dwq and dwk, adds no parameter gradients (scratch
+// may then be null).
+
+// ---- output_gate_cuda.cu -----------------------------------------------------------------------
+// Megatron's --attention-output-gate, as cpu::SplitGatedQkv / MergeGatedQkv / OutputGateForward /
+// OutputGateBackward: the fused product's rows (per query group: its query heads, their gate heads, its key and
+// value heads; b * t rows of s.qkv_width() + s.nh * s.hd) split into qkv (b, t, s.qkv_width()) and gate
+// (b, t, s.nh * s.hd), or merged back (the gradients); out = attn * sigmoid(gate) elementwise (n elements), and its
+// backward: dgate assigned, dattn (in: the output's gradient) becomes attn's, in place. Sigmoid in fp32.
+template <typename T>
+absl::Status SplitGatedQkv(T* qkv, T* gate, const T* fused, const AttentionShape& s, const CudaContext& ctx);
+template <typename T>
+absl::Status MergeGatedQkv(T* fused, const T* qkv, const T* gate, const AttentionShape& s, const CudaContext& ctx);
+template <typename T>
+absl::Status OutputGateForward(T* out, const T* attn, const T* gate, int64_t n, const CudaContext& ctx);
+template <typename T>
+absl::Status OutputGateBackward(T* dattn, T* dgate, const T* attn, const T* gate, int64_t n, const CudaContext& ctx);
+
 // ---- rope_cuda.cu ------------------------------------------------------------------------------
 // Rotary embedding in place on a fused QKV (b, t, s.qkv_width()) of query groups, as cpu::RopeForward:
 // the query and key heads' channels i and i + rd/2 (2i and 2i + 1 `interleaved`) rotated by the fp32

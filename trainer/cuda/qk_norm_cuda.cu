@@ -23,7 +23,7 @@ __device__ __forceinline__ QKHead HeadOf(int64_t h, int64_t per) {
   return {k < per - 2 ? 0 : (k == per - 2 ? 1 : 2), g * (per - 1) + k};
 }
 
-// One block per (token, head): value heads copied, query and key heads normalised.
+// One block per (token, head): value heads copied, query and key heads normalised (null weights: ones, the L2 norm).
 template <typename T>
 __global__ void QKNormForwardKernel(T* qkv, float* mean, float* rstd, const T* raw, const float* wq, const float* bq,
                                     const float* wk, const float* bk, int64_t width, int64_t hd, int64_t per,
@@ -56,7 +56,7 @@ __global__ void QKNormForwardKernel(T* qkv, float* mean, float* rstd, const T* r
   const float* b = head.kind == 0 ? bq : bk;
   for (int64_t j = threadIdx.x; j < hd; j += blockDim.x) {
     const float xhat = static_cast<float>((static_cast<double>(ToFloat(x[j])) - m) * r);
-    y[j] = FromFloat<T>(__fadd_rn(__fmul_rn(xhat, w[j]), b ? b[j] : 0.0f));
+    y[j] = FromFloat<T>(__fadd_rn(__fmul_rn(xhat, w ? w[j] : 1.0f), b ? b[j] : 0.0f));
   }
   if (threadIdx.x == 0) {
     const int64_t row = token * normed_per_token + head.normed;
@@ -122,7 +122,7 @@ __global__ void QKNormBackwardRowKernel(T* dqkv, const T* raw, const float* wq, 
   double sum_dxhat = 0, sum_dxhat_xhat = 0;
   for (int64_t j = threadIdx.x; j < hd; j += blockDim.x) {
     const double xhat = (static_cast<double>(ToFloat(x[j])) - m) * r,
-                 dxhat = static_cast<double>(ToFloat(dy[j])) * w[j];
+                 dxhat = static_cast<double>(ToFloat(dy[j])) * (w ? w[j] : 1.0f);
     sum_dxhat += dxhat;
     sum_dxhat_xhat += dxhat * xhat;
   }
@@ -131,7 +131,7 @@ __global__ void QKNormBackwardRowKernel(T* dqkv, const T* raw, const float* wq, 
                mean_dxhat_xhat = sum_dxhat_xhat / static_cast<double>(hd);
   for (int64_t j = threadIdx.x; j < hd; j += blockDim.x) {
     const double xhat = (static_cast<double>(ToFloat(x[j])) - m) * r,
-                 dxhat = static_cast<double>(ToFloat(dy[j])) * w[j];
+                 dxhat = static_cast<double>(ToFloat(dy[j])) * (w ? w[j] : 1.0f);
     dy[j] = FromFloat<T>(static_cast<float>(r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat)));
   }
 }
@@ -160,10 +160,11 @@ absl::Status QKNormForward(T* qkv, float* mean, float* rstd, const T* raw, const
   };
   PTK_KERNEL_CHECK(CheckShape(s, where));
   if (s.b * s.t == 0) return absl::OkStatus();
-  for (auto [p, what] :
-       {std::pair<const void*, const char*>{qkv, "qkv"}, {rstd, "rstd"}, {raw, "raw"}, {wq, "wq"}, {wk, "wk"}})
+  for (auto [p, what] : {std::pair<const void*, const char*>{qkv, "qkv"}, {rstd, "rstd"}, {raw, "raw"}})
     PTK_KERNEL_CHECK(kernel::CheckPointer(p, what, where));
   if (mean && (!bq || !bk)) return absl::InvalidArgumentError(where() + ": LayerNorm (mean) without its biases");
+  if (!wq != !wk || (!wq && mean))
+    return absl::InvalidArgumentError(where() + ": the unit weights (null wq and wk, the L2 norm) are RMSNorm's, both");
   const int64_t per = s.nh / s.groups() + 2, heads = s.groups() * per;
   QKNormForwardKernel<T>
       <<<dim3(static_cast<unsigned>(s.b * s.t), static_cast<unsigned>(heads)), kernel::RowThreads(s.hd, 1024), 0,
@@ -184,26 +185,27 @@ absl::Status QKNormBackward(T* dqkv, float* dwq, float* dbq, float* dwk, float* 
   PTK_KERNEL_CHECK(CheckShape(s, where));
   const int64_t n = s.b * s.t;
   if (n == 0) return absl::OkStatus();
-  for (auto [p, what] : {std::pair<const void*, const char*>{dqkv, "dqkv"},
-                         {dwq, "dwq"},
-                         {dwk, "dwk"},
-                         {raw, "raw"},
-                         {wq, "wq"},
-                         {wk, "wk"},
-                         {rstd, "rstd"},
-                         {scratch, "scratch"}})
+  for (auto [p, what] : {std::pair<const void*, const char*>{dqkv, "dqkv"}, {raw, "raw"}, {rstd, "rstd"}})
     PTK_KERNEL_CHECK(kernel::CheckPointer(p, what, where));
+  // The L2 norm (null weights) has no parameters: no gradients asked, none summed.
+  const bool params = dwq || dwk;
+  if (params && (!dwq || !dwk || !wq || !wk || !scratch))
+    return absl::InvalidArgumentError(where() + ": dwq, dwk, wq, wk and scratch must be set together");
+  if (!wq != !wk || (!wq && mean))
+    return absl::InvalidArgumentError(where() + ": the unit weights (null wq and wk, the L2 norm) are RMSNorm's, both");
   const int64_t per = s.nh / s.groups() + 2, heads = s.groups() * per, normed = s.nh + s.groups();
   const int64_t blocks = CeilDiv(n, kTokenBlock), col_blocks = CeilDiv(s.hd, kColumnThreads);
   if (blocks > 0x7fffffff || col_blocks > 65535) return absl::InvalidArgumentError(where() + ": too large a grid");
   // The parameters' gradients first: the row kernel then overwrites dqkv with the input gradient.
-  QKNormParamPartialKernel<T>
-      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(col_blocks)), kColumnThreads, 0, ctx.stream>>>(
-          scratch, dqkv, raw, mean, rstd, n, s.qkv_width(), s.hd, per, heads, normed);
-  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
-  QKNormParamSumKernel<<<dim3(static_cast<unsigned>(col_blocks), 4), kColumnThreads, 0, ctx.stream>>>(
-      dwq, mean ? dbq : nullptr, dwk, mean ? dbk : nullptr, scratch, blocks, s.hd);
-  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  if (params) {
+    QKNormParamPartialKernel<T>
+        <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(col_blocks)), kColumnThreads, 0, ctx.stream>>>(
+            scratch, dqkv, raw, mean, rstd, n, s.qkv_width(), s.hd, per, heads, normed);
+    PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+    QKNormParamSumKernel<<<dim3(static_cast<unsigned>(col_blocks), 4), kColumnThreads, 0, ctx.stream>>>(
+        dwq, mean ? dbq : nullptr, dwk, mean ? dbk : nullptr, scratch, blocks, s.hd);
+    PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  }
   QKNormBackwardRowKernel<T>
       <<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(heads)), kernel::RowThreads(s.hd, 1024), 0, ctx.stream>>>(
           dqkv, raw, wq, wk, mean, rstd, s.qkv_width(), s.hd, per, normed);
