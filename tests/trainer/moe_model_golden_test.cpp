@@ -276,7 +276,13 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   c.num_experts = 4;
   BackendOptions cuda;
   cuda.device = Device::kCuda;
+  // The CUDA backend's MoE is dropless and data-parallel: what it lacks is refused before the device is looked for.
+  c.moe_shared_expert_intermediate_size = 8;
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  c.moe_shared_expert_intermediate_size = 0;
+  c.moe_expert_capacity_factor = 1.0;
+  EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  c.moe_expert_capacity_factor = -1.0;
   BackendOptions stage;  // pipeline stages hold their layers' experts
   stage.pipeline_stage = PipelineStage{2, 0, 0, 1};
   EXPECT_TRUE(CreateModel(c, stage).ok());

@@ -266,7 +266,8 @@ TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
        "usage error: --moe-router-enable-expert-bias with --context-parallel-size 2: Megatron sums"},
       {tp + " --sequence-parallel --expert-model-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
-      {tp + " --sequence-parallel --device cuda", "usage error: --num-experts 4 on --device cuda"},
+      {tp + " --sequence-parallel --device cuda",
+       "usage error: --num-experts 4 with --tensor-model-parallel-size 2 on --device cuda"},
   };
   for (const auto& [flags, want] : cases) {
     auto r = RunCmd(base + flags);
