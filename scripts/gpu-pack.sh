@@ -16,7 +16,10 @@
 #   build-versions.txt     `ptk-train --version`: the commit, and the CUDA, cuBLASLt, cuDNN and NCCL headers
 #                          it was built with
 # and DEST/run.sh (a copy of scripts/gpu-run.sh). Prints the pack's size; a pack over 48 MiB is refused
-# (exit 1, DEST removed): the project tree and the pack travel to the GPU machine within 64 MiB.
+# (exit 1, DEST removed), and so is one that with the project tree (its tracked and untracked-not-ignored
+# files, which travel beside it) is over the 64 MiB a device call carries (PTK_GPU_TRAVEL_LIMIT_MIB).
+# xz -9 in one thread: its 64 MiB dictionary spans the test binaries, which share most of their code
+# (about half the size of a multi-threaded -6 pack).
 set -euo pipefail
 for a in "$@"; do
   case "$a" in
@@ -30,6 +33,7 @@ build=$(cd "$1" && pwd)
 out=${2:-.gpu}
 here=$(cd "$(dirname "$0")" && pwd)
 limit_mib=${PTK_GPU_PACK_LIMIT_MIB:-48}
+travel_mib=${PTK_GPU_TRAVEL_LIMIT_MIB:-64}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 dest=$stage/ptk-gpu
@@ -98,7 +102,7 @@ cp "$here/gpu-run.sh" "$dest/run.sh"
 
 rm -rf "$out"
 mkdir -p "$out"
-XZ_OPT=-T0 tar -C "$stage" -cJf "$out/ptk-gpu.tar.xz" ptk-gpu
+XZ_OPT="-9 -T1" tar -C "$stage" -cJf "$out/ptk-gpu.tar.xz" ptk-gpu
 cp "$here/gpu-run.sh" "$out/run.sh"
 bytes=$(du -cb "$out"/* | tail -1 | cut -f1)
 unpacked=$(du -sb "$dest" | cut -f1)
@@ -107,5 +111,16 @@ if [ "$bytes" -gt $((limit_mib * 1048576)) ]; then
   rm -rf "$out"
   echo "gpu-pack: the pack is $(mib "$bytes") ($(mib "$unpacked") unpacked), over the ${limit_mib} MiB limit: refused (fewer architectures, or PROGRAMS)" >&2
   exit 1
+fi
+# The project tree travels with the pack: their sum must fit one device call (where this is a git checkout).
+root=$(cd "$here/.." && pwd)
+if git -C "$root" rev-parse --git-dir >/dev/null 2>&1; then
+  tree=$(cd "$root" && git ls-files -z -co --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null |
+    awk '{s += $1} END {print s + 0}') || tree=0
+  if [ $((tree + bytes)) -gt $((travel_mib * 1048576)) ]; then
+    rm -rf "$out"
+    echo "gpu-pack: the pack ($(mib "$bytes")) and the project tree $root ($(mib "$tree"): tracked and untracked-not-ignored files) make $(mib $((tree + bytes))), over the ${travel_mib} MiB a device call carries: refused (fewer architectures, or PROGRAMS; or a smaller tree)" >&2
+    exit 1
+  fi
 fi
 echo "gpu-pack: $out: $(mib "$bytes") ($(mib "$unpacked") unpacked; limit ${limit_mib} MiB)"

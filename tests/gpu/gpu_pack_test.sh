@@ -3,7 +3,8 @@
 # programs, the gpu-labelled tests CTest lists (at their place, with gpu-tests.json), a shared library the
 # build made (a CUDA backend module) at its place in the build tree, the libraries they load except the
 # CUDA and driver ones, the build's versions; never the tests' stand-in driver (libcuda.so.1). It prints
-# the pack's size, and refuses a pack over the limit (48 MiB; PTK_GPU_PACK_LIMIT_MIB here), leaving none.
+# the pack's size, and refuses a pack over the limit (48 MiB; PTK_GPU_PACK_LIMIT_MIB here), or one that with
+# the project tree is over what a device call carries (64 MiB; PTK_GPU_TRAVEL_LIMIT_MIB), leaving none.
 # Usage: gpu_pack_test.sh SOURCE_DIR
 set -uo pipefail
 SRC=$1
@@ -61,5 +62,17 @@ echo "$out"
 check "a pack over the limit is refused" [ "$rc" = 1 ]
 check "the refusal names the size and the limit" grep -q 'over the 0 MiB limit: refused' <<<"$out"
 check "a refused pack leaves no .gpu" [ ! -e .gpu ]
+
+# The pack travels with the project tree (SOURCE_DIR's, some MiB): over the device call's limit together, refused.
+out=$(PTK_GPU_TRAVEL_LIMIT_MIB=1 bash "$SRC/scripts/gpu-pack.sh" "$B" .gpu 2>&1); rc=$?
+echo "$out"
+if git -C "$SRC" rev-parse --git-dir >/dev/null 2>&1; then
+  check "a pack that with the tree is over the travel limit is refused" [ "$rc" = 1 ]
+  check "the refusal names the pack, the tree and the limit" \
+    grep -q "gpu-pack: the pack (.* MiB) and the project tree .* make .* MiB, over the 1 MiB a device call carries: refused" <<<"$out"
+  check "and leaves no .gpu" [ ! -e .gpu ]
+else
+  check "outside a git checkout the tree is not counted" [ "$rc" = 0 ]
+fi
 [ "$fail" = 0 ] && echo "gpu-pack: OK"
 exit "$fail"
