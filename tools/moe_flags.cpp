@@ -273,7 +273,7 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 namespace {
 // --expert-model-parallel-size N above 1: what ptk's expert parallelism covers (the CPU model's MoE layers over
-// plain data ranks), every other combination refused naming both flags.
+// data ranks, on each pipeline stage), every other combination refused naming both flags.
 absl::Status RefuseExpertParallel(const TrainFlags& f) {
   const int64_t ep = f.moe.expert_parallel;
   if (ep == 1) return absl::OkStatus();
@@ -282,13 +282,16 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
     return UsageError(fmt::format("--num-experts {} is not divisible by {}: each expert rank holds as many experts",
                                   f.moe.num_experts, flag));
   auto refuse = [&](const std::string& other) {
-    return UsageError(
-        fmt::format("{} with {}: expert parallelism is implemented over plain data ranks only", flag, other));
+    return UsageError(fmt::format(
+        "{} with {}: expert parallelism is implemented over data ranks and pipeline stages only", flag, other));
   };
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.pipeline_model_parallel_size > 1)
-    return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
+  if (f.pipeline_model_parallel_size > 1 && f.options.use_distributed_optimizer)
+    return UsageError(fmt::format(
+        "{} with --pipeline-model-parallel-size {} and --use-distributed-optimizer: ptk's ZeRO-1 over expert ranks "
+        "runs on one pipeline stage only (drop one of them)",
+        flag, f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
   if (f.options.sample.interval > 0) return refuse("--sample-interval");
   return absl::OkStatus();

@@ -165,8 +165,8 @@ TEST_F(EpDistOptCli, WhatIsNotImplementedIsStillRefusedInOneLine) {
       {" --device cuda",
        "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},
       {" --pipeline-model-parallel-size 2",
-       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2: expert parallelism is "
-       "implemented over plain data ranks only"},
+       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 and "
+       "--use-distributed-optimizer: ptk's ZeRO-1 over expert ranks runs on one pipeline stage only"},
   };
   for (const auto& [flags, want] : cases) {
     auto r = RunCmd(base + flags);

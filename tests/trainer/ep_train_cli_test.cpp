@@ -173,9 +173,8 @@ TEST_F(EpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
       {" --expert-model-parallel-size 2", "usage error: --expert-model-parallel-size 2 without --num-experts"},
       {moe + "2 --tensor-model-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is "
-       "implemented over plain data ranks only"},
-      {moe + "2 --pipeline-model-parallel-size 2",
-       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2"},
+       "implemented over data ranks and pipeline stages only"},
+      // With --pipeline-model-parallel-size: ep_pipeline_cli_test.
       {moe + "2 --context-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
       // --use-distributed-optimizer and --overlap-grad-reduce: ep_distopt_cli_test.

@@ -1,0 +1,155 @@
+// ptk-train's expert parallelism with pipeline stages (--expert-model-parallel-size with
+// --pipeline-model-parallel-size, CPU, ranks as processes over loopback gloo): P = 2 x E = 2 (world 4, each stage's
+// MoE layers dispatching over that stage's expert group) trains as P = 2 over two data ranks with every expert on
+// each, and as P = 1 x E = 2; its checkpoint in Megatron's per-stage, per-expert-rank files (mp_rank_00_PPP_EEE)
+// resumes bit for bit and loads at another expert size (E = 2 -> 1 and back); what is not implemented is refused in
+// one line naming both flags.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+
+class EpPipelineCli : public testing::RanksTest {
+ protected:
+  EpPipelineCli() : RanksTest(testing::kSmallVocabEod) {}
+  // 4 layers ([1,0,1,1]: stage 0 one MoE layer and a dense one, stage 1 two MoE layers) of 4 experts (top 2);
+  // global batch 4 of micro-batches of 1.
+  std::string Train(const std::string& extra, int64_t iters = 6) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --clip-grad 1.0 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
+           " --log-num-zeros-in-grad --log-params-norm --threads 1 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) +
+           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01"
+           " --moe-layer-freq '[1,0,1,1]' --disable-bias-linear " +
+           extra;
+  }
+  // The value of `field` on each log line.
+  static std::vector<double> Field(const std::string& out, const std::string& field) {
+    std::vector<double> v;
+    const std::regex re("iteration +\\d+/ +\\d+ .*\\| " + field + ": (\\S+) \\|");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back(std::strtod((*it)[1].str().c_str(), nullptr));
+    return v;
+  }
+  // `got` against `want` field by field (lm loss, grad norm, load_balancing_loss, num zeros, params norm), within
+  // `tolerance` relative; the largest relative difference returned.
+  static double ExpectSameFields(const std::string& want, const std::string& got, double tolerance,
+                                 const std::string& what) {
+    double worst = 0;
+    for (const char* field : {"lm loss", "grad norm", "load_balancing_loss", "num zeros", "params norm"}) {
+      const auto a = Field(want, field), b = Field(got, field);
+      EXPECT_EQ(a.size(), 6u) << what << " " << field << "\n" << want;
+      EXPECT_EQ(b.size(), a.size()) << what << " " << field << "\n" << got;
+      for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+        EXPECT_NEAR(b[i], a[i], tolerance * std::abs(a[i])) << what << " " << field << " line " << i;
+        worst = std::max(worst, std::abs(b[i] - a[i]) / std::max(1.0, std::abs(a[i])));
+      }
+    }
+    std::printf("%s: largest relative difference of the logged values %.3g\n", what.c_str(), worst);
+    return worst;
+  }
+};
+
+constexpr char kPP[] = " --pipeline-model-parallel-size 2";
+constexpr char kEP[] = " --expert-model-parallel-size 2";
+
+// P = 2 x E = 2 against P = 2 x D = 2 with every expert on each rank: the same sums in the same order (each
+// expert's weight gradient holds the expert group's tokens, then the sum over the expert-data group of one rank:
+// the data-parallel sum of the same micro-batches), so every logged value is the same to its 7 digits except where
+// the order of the sums differs (the experts' part of the norms added over the expert group first): 1e-6 relative.
+// Against P = 1 x E = 2 (the stages' norm parts summed over the pipeline group, not in one pass): 1e-5, as one
+// rank against P = 2 (moe_train_cli_test's PipelineStagesTrainAsOneRankDoes).
+TEST_F(EpPipelineCli, ExpertRanksOnPipelineStagesTrainAsDataRanksWithEveryExpertDo) {
+  auto dense = Ranks(4, Train(kPP));
+  ASSERT_NE(dense.output.find(AllZero(4)), std::string::npos) << dense.output << Logs(4);
+  auto ep = Ranks(4, Train(std::string(kPP) + kEP));
+  ASSERT_NE(ep.output.find(AllZero(4)), std::string::npos) << ep.output << Logs(4);
+  ExpectSameFields(dense.output, ep.output, 1e-6, "P = 2 x E = 2 against P = 2 x D = 2");
+  auto flat = Ranks(2, Train(kEP));
+  ASSERT_NE(flat.output.find(AllZero(2)), std::string::npos) << flat.output << Logs(2);
+  ExpectSameFields(flat.output, ep.output, 1e-5, "P = 2 x E = 2 against P = 1 x E = 2");
+}
+
+// A stopped P = 2 x E = 2 run resumes bit for bit from its files (mp_rank_00_PPP_EEE, Megatron's
+// get_checkpoint_name with both ranks); the checkpoint loads at E = 1 (P = 2 over two data ranks) and a P = 2 x
+// E = 1 checkpoint at E = 2, each continuing the other's run (1e-6: the norms' sums in another order).
+TEST_F(EpPipelineCli, AStoppedRunResumesBitForBitAndLoadsAtOtherExpertSizes) {
+  const std::string ep = std::string(kPP) + kEP;
+  auto whole = Ranks(4, Train(ep));
+  ASSERT_NE(whole.output.find(AllZero(4)), std::string::npos) << whole.output << Logs(4);
+  auto first = Ranks(4, Train(ep + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+  ASSERT_NE(first.output.find(AllZero(4)), std::string::npos) << first.output << Logs(4);
+  for (const char* mp : {"mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"})
+    EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000003/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck/iter_0000003/mp_rank_00_000"));
+  std::filesystem::copy(dir_ / "ck", dir_ / "ck1", std::filesystem::copy_options::recursive);
+  auto resumed = Ranks(4, Train(ep + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_NE(resumed.output.find(AllZero(4)), std::string::npos) << resumed.output << Logs(4);
+  const auto a = Lines(whole.output), b = Lines(resumed.output);
+  ASSERT_EQ(a.size(), 6u) << whole.output;
+  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  const auto want = Losses(whole.output);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(std::string(kPP) + " --load " + ShellQuote(dir_ / "ck1")),
+                                          std::vector<std::pair<int, double>>(want.begin() + 3, want.end()), 3, 1e-6,
+                                          "P = 2 x E = 2 checkpoint at P = 2 x E = 1", &out));
+  EXPECT_NE(out.find("--expert-model-parallel-size 2"), std::string::npos) << out;
+  // And back: a P = 2 x E = 1 checkpoint at E = 2.
+  auto dense = Ranks(4, Train(kPP));
+  ASSERT_NE(dense.output.find(AllZero(4)), std::string::npos) << dense.output << Logs(4);
+  auto stop = Ranks(4, Train(std::string(kPP) + " --exit-interval 3 --save " + ShellQuote(dir_ / "d")));
+  ASSERT_NE(stop.output.find(AllZero(4)), std::string::npos) << stop.output << Logs(4);
+  const auto dense_losses = Losses(dense.output);
+  ASSERT_EQ(dense_losses.size(), 6u) << dense.output;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(ep + " --load " + ShellQuote(dir_ / "d")),
+                      std::vector<std::pair<int, double>>(dense_losses.begin() + 3, dense_losses.end()), 3, 1e-6,
+                      "P = 2 x E = 1 checkpoint at P = 2 x E = 2", &out));
+}
+
+TEST_F(EpPipelineCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
+  const std::string base = testing::Tool("ptk-train") +
+                           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
+                           testing::SmallVocabFlags() + " --num-experts 4 --disable-bias-linear" + kEP + kPP;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" --use-distributed-optimizer",
+       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 and "
+       "--use-distributed-optimizer:"},
+      {" --tensor-model-parallel-size 2 --sequence-parallel",
+       "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
+      {" --context-parallel-size 2", "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
+      {" --device cuda",
+       "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_EQ(r.output.substr(r.output.find('\n') + 1), "Run with --help for more information.\n") << flags;
+  }
+  // P = 2 x E = 2 is planned (--dry-run on one process): the expert groups per stage.
+  auto plan = RunCmd("WORLD_SIZE=4 " + base + " --dry-run");
+  EXPECT_EQ(plan.exit_code, 0) << plan.output;
+}
+
+}  // namespace
+}  // namespace ptk
