@@ -68,7 +68,7 @@ std::string CheckpointFile(const std::string& save, int64_t iteration, int tenso
 // With expert parallelism (expert_size above 1) Megatron's _EEE after them: mp_rank_TT[_PPP]_EEE.
 std::string MpRankFile(int tensor_rank, int pipeline_rank = 0, int pipeline_size = 1, int expert_rank = 0,
                        int expert_size = 1);
-// The first rank's file in an iteration directory: mp_rank_00's, or mp_rank_00_000's when only it is there.
+// The first rank's file in an iteration directory: mp_rank_00's, else mp_rank_00_000's, else mp_rank_00_000_000's.
 std::string FirstRankFile(const std::string& dir);
 
 // Writes the checkpoint of `iteration` and then points the tracker at it. A save that fails (a

@@ -9,14 +9,25 @@
 namespace ptk {
 
 namespace {
-// Expert parallelism (one tensor rank and stage): each expert rank's weights and moments (its experts' and the
+// The pipeline stage `layout` holds (its layers, its chunks).
+PipelineStage StageOfLayout(const ParamLayout& layout) {
+  PipelineStage stage;
+  stage.size = layout.pipeline_size;
+  stage.rank = layout.pipeline_rank;
+  stage.first_layer = layout.first_layer;
+  stage.num_layers = static_cast<int64_t>(layout.layers.size());
+  stage.virtual_size = layout.virtual_size;
+  return stage;
+}
+
+// Expert parallelism (one tensor rank; each pipeline stage its own expert groups): each expert rank's weights and moments (its experts' and the
 // replicated rest) gathered over its expert group, data rank 0 then holding every expert rank's file
-// (mp_rank_00_EEE), as Megatron's expert-data rank 0 of each expert rank saves it. Under ZeRO-1 (the moments
+// (mp_rank_00[_PPP]_EEE), as Megatron's expert-data rank 0 of each expert rank saves it. Under ZeRO-1 (the moments
 // sharded by ranges, expert_shard.h) each rank's whole moments are first put together from its groups' parts:
 // the file holds every moment, as without ZeRO-1, so that any data or expert size loads it.
 absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert) {
-  if (model->shard() || model->layout().tensor_size > 1 || model->layout().pipeline_size > 1)
-    return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1, tensor or pipeline parallelism");
+  if (model->shard() || model->layout().tensor_size > 1)
+    return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1's one shard or tensor parallelism");
   const size_t n = static_cast<size_t>(model->num_params());
   const int E = expert->size(), me = expert->rank();
   std::vector<std::vector<float>> all(3, std::vector<float>(n * static_cast<size_t>(E)));
@@ -34,7 +45,8 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Com
   std::vector<CheckpointArrays> out;
   if (data->rank() != 0) return out;
   for (int e = 0; e < E; ++e) {
-    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), 1, 0, {}, E, e));
+    PTK_ASSIGN_OR_RETURN(ParamLayout layout,
+                         ParamLayout::Create(model->config(), 1, 0, StageOfLayout(model->layout()), E, e));
     auto slice = [&](size_t k) { return std::vector<float>(at(k, e), at(k, e + 1)); };
     out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
   }
@@ -84,12 +96,7 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Commu
     PTK_RETURN_IF_ERROR(tensor->AllGather(all[k].data(), bytes));
   }
   if (me != 0) return out;
-  PipelineStage stage;
-  stage.size = model->layout().pipeline_size;
-  stage.rank = model->layout().pipeline_rank;
-  stage.first_layer = model->layout().first_layer;
-  stage.num_layers = static_cast<int64_t>(model->layout().layers.size());
-  stage.virtual_size = model->layout().virtual_size;
+  const PipelineStage stage = StageOfLayout(model->layout());
   for (int t = 0; t < T; ++t) {
     PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t, stage));
     auto slice = [&](size_t k) {
@@ -109,8 +116,10 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* m
                                                                      int virtual_size) {
   PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> out, GatherStage(model, data, tensor));
   if (!pipeline || pipeline->size() == 1 || out.empty()) return out;
-  // Each later stage's entries to the first stage, over the pipeline group of data and tensor rank 0.
+  // Each later stage's entries (tensor rank by tensor rank of each expert rank) to the first stage, over the
+  // pipeline group of data and tensor rank 0.
   const int P = pipeline->size(), me = pipeline->rank(), T = tensor ? tensor->size() : 1;
+  const int E = model->layout().expert_size;
   if (static_cast<int>(stage_layers.size()) != P)
     return absl::InternalError("GatherCheckpointArrays: one layer count per pipeline stage");
   auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
@@ -121,9 +130,9 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* m
     return std::vector<CheckpointArrays>{};
   }
   for (int p = 1; p < P; ++p) {
-    for (int t = 0; t < T; ++t) {
-      PTK_ASSIGN_OR_RETURN(ParamLayout layout,
-                           ParamLayout::Create(model->config(), T, t, StageOf(stage_layers, p, virtual_size)));
+    for (int k = 0; k < E * T; ++k) {
+      PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, k % T,
+                                                                   StageOf(stage_layers, p, virtual_size), E, k / T));
       const size_t n = static_cast<size_t>(layout.num_params);
       CheckpointArrays a{std::move(layout), std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
       for (std::vector<float>* v : {&a.params, &a.exp_avg, &a.exp_avg_sq})

@@ -345,7 +345,11 @@ absl::StatusOr<double> TrainStep::ExpertParallelGradSum(bool squares) {
 }
 
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {
-  if (model_->expert_comm()) return ExpertParallelGradSum(/*squares=*/false);
+  if (model_->expert_comm()) {  // the stage's count, then the stages' in rank order
+    PTK_ASSIGN_OR_RETURN(double zeros, ExpertParallelGradSum(/*squares=*/false));
+    if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
+    return zeros;
+  }
   std::vector<float> grads(static_cast<size_t>(model_->num_params()));
   PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
   double zeros = 0;
@@ -364,7 +368,8 @@ absl::StatusOr<double> TrainStep::ParamsNorm() {
   if (model_->expert_comm()) {  // every rank holds its whole model (under ZeRO-1 too: gathered after the update)
     std::vector<float> all(static_cast<size_t>(model_->num_params()));
     PTK_RETURN_IF_ERROR(model_->ReadParams(all));
-    PTK_ASSIGN_OR_RETURN(const double sum, ExpertParallelSum(model_->layout(), all, true, model_->expert_comm()));
+    PTK_ASSIGN_OR_RETURN(double sum, ExpertParallelSum(model_->layout(), all, true, model_->expert_comm()));
+    if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipeline_));  // the stages' parts
     return std::sqrt(sum);
   }
   std::vector<float> own(static_cast<size_t>(model_->moments_size()));
