@@ -1,9 +1,9 @@
 // ptk-train's expert parallelism with pipeline stages (--expert-model-parallel-size with
 // --pipeline-model-parallel-size, CPU, ranks as processes over loopback gloo): P = 2 x E = 2 (world 4, each stage's
 // MoE layers dispatching over that stage's expert group) trains as P = 2 over two data ranks with every expert on
-// each, and as P = 1 x E = 2; its checkpoint in Megatron's per-stage, per-expert-rank files (mp_rank_00_PPP_EEE)
-// resumes bit for bit and loads at another expert size (E = 2 -> 1 and back); what is not implemented is refused in
-// one line naming both flags.
+// each, and as P = 1 x E = 2 (1F1B; interleaved as its P = 2 x D = 2; --overlap-grad-reduce the same lines); its
+// checkpoint in Megatron's per-stage, per-expert-rank files (mp_rank_00_PPP_EEE) resumes bit for bit and loads at
+// another expert size (E = 2 -> 1 and back); what is not implemented is refused in one line naming both flags.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -86,6 +86,25 @@ TEST_F(EpPipelineCli, ExpertRanksOnPipelineStagesTrainAsDataRanksWithEveryExpert
   auto flat = Ranks(2, Train(kEP));
   ASSERT_NE(flat.output.find(AllZero(2)), std::string::npos) << flat.output << Logs(2);
   ExpectSameFields(flat.output, ep.output, 1e-5, "P = 2 x E = 2 against P = 1 x E = 2");
+  // World 8: P = 2 x D = 4 x E = 2, the experts' gradients summed over expert-data groups of 2 ([0, 2], [1, 3] on
+  // stage 0, [4, 6], [5, 7] on stage 1, as megatron-core's expert rank generator).
+  auto dense8 = Ranks(8, Train(kPP));
+  ASSERT_NE(dense8.output.find(AllZero(8)), std::string::npos) << dense8.output << Logs(8);
+  auto ep8 = Ranks(8, Train(std::string(kPP) + kEP));
+  ASSERT_NE(ep8.output.find(AllZero(8)), std::string::npos) << ep8.output << Logs(8);
+  ExpectSameFields(dense8.output, ep8.output, 1e-6, "P = 2 x D = 4 x E = 2 against P = 2 x D = 4");
+  // The interleaved schedule (chunks of one layer: stage 0 MoE layers 0 and 2, stage 1 dense layer 1 and MoE layer
+  // 3) against its P = 2 x D = 2 run.
+  const std::string interleaved = std::string(kPP) + " --num-layers-per-virtual-pipeline-stage 1";
+  auto dense_v = Ranks(4, Train(interleaved));
+  ASSERT_NE(dense_v.output.find(AllZero(4)), std::string::npos) << dense_v.output << Logs(4);
+  auto ep_v = Ranks(4, Train(interleaved + kEP));
+  ASSERT_NE(ep_v.output.find(AllZero(4)), std::string::npos) << ep_v.output << Logs(4);
+  ExpectSameFields(dense_v.output, ep_v.output, 1e-6, "interleaved P = 2 x E = 2 against P = 2 x D = 2");
+  // --overlap-grad-reduce: each bucket's expert runs over the expert-data group as backward completes it.
+  auto overlap = Ranks(4, Train(std::string(kPP) + kEP + " --overlap-grad-reduce --ddp-bucket-size 5000"));
+  ASSERT_NE(overlap.output.find(AllZero(4)), std::string::npos) << overlap.output << Logs(4);
+  EXPECT_EQ(Lines(overlap.output), Lines(ep.output));
 }
 
 // A stopped P = 2 x E = 2 run resumes bit for bit from its files (mp_rank_00_PPP_EEE, Megatron's
