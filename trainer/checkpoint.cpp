@@ -87,7 +87,7 @@ std::string MpRankFile(int tensor_rank, int pipeline_rank, int pipeline_size, in
 }
 std::string FirstRankFile(const std::string& dir) {
   const std::string one_stage = JoinPath(dir, MpRankFile(0));
-  const std::string staged = JoinPath(dir, MpRankFile(0, 0, 2));  // stages or expert ranks: mp_rank_00_000
+  const std::string staged = JoinPath(dir, MpRankFile(0, 0, 2));      // stages or expert ranks: mp_rank_00_000
   const std::string both = JoinPath(dir, MpRankFile(0, 0, 2, 0, 2));  // stages and expert ranks: mp_rank_00_000_000
   for (const std::string& file : {one_stage, staged, both})
     if (PathExists(file)) return file;

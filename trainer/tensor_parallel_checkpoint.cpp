@@ -20,11 +20,12 @@ PipelineStage StageOfLayout(const ParamLayout& layout) {
   return stage;
 }
 
-// Expert parallelism (one tensor rank; each pipeline stage its own expert groups): each expert rank's weights and moments (its experts' and the
-// replicated rest) gathered over its expert group, data rank 0 then holding every expert rank's file
-// (mp_rank_00[_PPP]_EEE), as Megatron's expert-data rank 0 of each expert rank saves it. Under ZeRO-1 (the moments
-// sharded by ranges, expert_shard.h) each rank's whole moments are first put together from its groups' parts:
-// the file holds every moment, as without ZeRO-1, so that any data or expert size loads it.
+// Expert parallelism (one tensor rank; each pipeline stage its own expert groups): each expert rank's weights and
+// moments (its experts' and the replicated rest) gathered over its expert group, data rank 0 then holding every
+// expert rank's file of its stage (mp_rank_00[_PPP]_EEE), as Megatron's expert-data rank 0 of each expert rank
+// saves it. Under ZeRO-1 (the moments sharded by ranges, expert_shard.h) each rank's whole moments are first put
+// together from its groups' parts: the file holds every moment, as without ZeRO-1, so that any data or expert
+// size loads it.
 absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert) {
   if (model->shard() || model->layout().tensor_size > 1)
     return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1's one shard or tensor parallelism");
