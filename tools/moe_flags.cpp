@@ -287,11 +287,6 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
   };
   if (f.tensor_model_parallel_size > 1)
     return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.pipeline_model_parallel_size > 1 && f.options.use_distributed_optimizer)
-    return UsageError(fmt::format(
-        "{} with --pipeline-model-parallel-size {} and --use-distributed-optimizer: ptk's ZeRO-1 over expert ranks "
-        "runs on one pipeline stage only (drop one of them)",
-        flag, f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
   if (f.options.sample.interval > 0) return refuse("--sample-interval");
   return absl::OkStatus();

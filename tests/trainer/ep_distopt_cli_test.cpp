@@ -164,9 +164,9 @@ TEST_F(EpDistOptCli, WhatIsNotImplementedIsStillRefusedInOneLine) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --device cuda",
        "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},
-      {" --pipeline-model-parallel-size 2",
-       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 and "
-       "--use-distributed-optimizer: ptk's ZeRO-1 over expert ranks runs on one pipeline stage only"},
+      {" --tensor-model-parallel-size 2 --sequence-parallel",
+       "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is "
+       "implemented over data ranks and pipeline stages only"},
   };
   for (const auto& [flags, want] : cases) {
     auto r = RunCmd(base + flags);

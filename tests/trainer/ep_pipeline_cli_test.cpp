@@ -1,9 +1,10 @@
 // ptk-train's expert parallelism with pipeline stages (--expert-model-parallel-size with
 // --pipeline-model-parallel-size, CPU, ranks as processes over loopback gloo): P = 2 x E = 2 (world 4, each stage's
 // MoE layers dispatching over that stage's expert group) trains as P = 2 over two data ranks with every expert on
-// each, and as P = 1 x E = 2 (1F1B; interleaved as its P = 2 x D = 2; --overlap-grad-reduce the same lines); its
-// checkpoint in Megatron's per-stage, per-expert-rank files (mp_rank_00_PPP_EEE) resumes bit for bit and loads at
-// another expert size (E = 2 -> 1 and back); what is not implemented is refused in one line naming both flags.
+// each, and as P = 1 x E = 2 (1F1B; interleaved as its P = 2 x D = 2; --overlap-grad-reduce and
+// --use-distributed-optimizer give the same lines); its checkpoint in Megatron's per-stage, per-expert-rank files
+// (mp_rank_00_PPP_EEE) resumes bit for bit (ZeRO-1's too) and loads at another expert size (E = 2 -> 1 and back);
+// what is not implemented is refused in one line naming both flags.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -93,6 +94,10 @@ TEST_F(EpPipelineCli, ExpertRanksOnPipelineStagesTrainAsDataRanksWithEveryExpert
   auto ep8 = Ranks(8, Train(std::string(kPP) + kEP));
   ASSERT_NE(ep8.output.find(AllZero(8)), std::string::npos) << ep8.output << Logs(8);
   ExpectSameFields(dense8.output, ep8.output, 1e-6, "P = 2 x D = 4 x E = 2 against P = 2 x D = 4");
+  // ZeRO-1 there: each stage's expert moments sharded over its expert-data groups of 2, the same lines.
+  auto zero8 = Ranks(8, Train(std::string(kPP) + kEP + " --use-distributed-optimizer"));
+  ASSERT_NE(zero8.output.find(AllZero(8)), std::string::npos) << zero8.output << Logs(8);
+  EXPECT_EQ(Lines(zero8.output), Lines(ep8.output));
   // The interleaved schedule (chunks of one layer: stage 0 MoE layers 0 and 2, stage 1 dense layer 1 and MoE layer
   // 3) against its P = 2 x D = 2 run.
   const std::string interleaved = std::string(kPP) + " --num-layers-per-virtual-pipeline-stage 1";
@@ -105,6 +110,10 @@ TEST_F(EpPipelineCli, ExpertRanksOnPipelineStagesTrainAsDataRanksWithEveryExpert
   auto overlap = Ranks(4, Train(std::string(kPP) + kEP + " --overlap-grad-reduce --ddp-bucket-size 5000"));
   ASSERT_NE(overlap.output.find(AllZero(4)), std::string::npos) << overlap.output << Logs(4);
   EXPECT_EQ(Lines(overlap.output), Lines(ep.output));
+  // --use-distributed-optimizer: each stage's moments sharded over its data and expert-data groups, the same lines.
+  auto zero = Ranks(4, Train(std::string(kPP) + kEP + " --use-distributed-optimizer"));
+  ASSERT_NE(zero.output.find(AllZero(4)), std::string::npos) << zero.output << Logs(4);
+  EXPECT_EQ(Lines(zero.output), Lines(ep.output));
 }
 
 // A stopped P = 2 x E = 2 run resumes bit for bit from its files (mp_rank_00_PPP_EEE, Megatron's
@@ -125,6 +134,13 @@ TEST_F(EpPipelineCli, AStoppedRunResumesBitForBitAndLoadsAtOtherExpertSizes) {
   const auto a = Lines(whole.output), b = Lines(resumed.output);
   ASSERT_EQ(a.size(), 6u) << whole.output;
   EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  // Under ZeRO-1 (every moment in the files, put together from the shards): the same resume.
+  const std::string zero = ep + " --use-distributed-optimizer";
+  auto zero_first = Ranks(4, Train(zero + " --exit-interval 3 --save " + ShellQuote(dir_ / "z")));
+  ASSERT_NE(zero_first.output.find(AllZero(4)), std::string::npos) << zero_first.output << Logs(4);
+  auto zero_resumed = Ranks(4, Train(zero + " --load " + ShellQuote(dir_ / "z")));
+  ASSERT_NE(zero_resumed.output.find(AllZero(4)), std::string::npos) << zero_resumed.output << Logs(4);
+  EXPECT_EQ(Lines(zero_resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
   const auto want = Losses(whole.output);
   std::string out;
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(std::string(kPP) + " --load " + ShellQuote(dir_ / "ck1")),
@@ -149,9 +165,6 @@ TEST_F(EpPipelineCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
                            " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
                            testing::SmallVocabFlags() + " --num-experts 4 --disable-bias-linear" + kEP + kPP;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {" --use-distributed-optimizer",
-       "usage error: --expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 and "
-       "--use-distributed-optimizer:"},
       {" --tensor-model-parallel-size 2 --sequence-parallel",
        "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
       {" --context-parallel-size 2", "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
