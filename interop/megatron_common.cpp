@@ -91,6 +91,10 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
       // of 2 x ffn outputs that MLP chunks in two.
       if (c.swiglu && (rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")) m.chunks = 2;
       if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m.split = 1;
+      // MLA's up projections (and linear_q_proj) column-parallel by heads; its down projections: SplitMlaDown.
+      if (rest == "self_attention.linear_q_proj.weight" || rest == "self_attention.linear_q_up_proj.weight" ||
+          rest == "self_attention.linear_kv_up_proj.weight")
+        m.split = 0;
     } else {
       m.local_name = m.te_name = p.name;
       if (p.name.rfind("embedding.", 0) == 0) {
@@ -362,7 +366,7 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
         "--disable-bias-linear, --qk-layernorm, --squared-relu, --apply-layernorm-1p)",
         source, fmt::join(unsupported, ", ")));
   PTK_RETURN_IF_ERROR(ReadMoeArgs(args, source, tp, &c));  // --num-experts: ptk's MoE layers
-  PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, tp, &c));  // --multi-latent-attention
+  PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, &c));      // --multi-latent-attention
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;

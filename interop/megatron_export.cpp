@@ -532,7 +532,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
                        LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
-  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: tensor-parallel size 1
+  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: the local spec's down projections split
   if (c.moe() && o.target_use_distributed_optimizer)   // megatron-core's grad buffers of experts: not checked yet
     return absl::FailedPreconditionError(fmt::format(
         "{}: a mixture-of-experts model (--num-experts {}): --target-use-distributed-optimizer is not written for "
@@ -557,6 +557,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.mbuffers = MegBuffers(c, ex.mparams);
   PTK_RETURN_IF_ERROR(CheckExportBuffers(ex.mbuffers, state, ck.file));
   ex.te = o.saver_transformer_impl == "transformer_engine";
+  SplitMlaDown(ex.te, &ex.mparams);
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;
   ex.distopt = o.target_use_distributed_optimizer;
