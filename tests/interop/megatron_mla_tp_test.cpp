@@ -10,7 +10,9 @@
 // T=2 files at tensor size 2 and computes ptk's logits and loss:
 // tests/support/check_mla_tp_export_with_megatron_core.py.
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -177,6 +179,49 @@ TEST_F(MegatronMlaTp, EachRankHoldsMegatronCoresShardOfEveryMlaTensor) {
         }
       }
     }
+}
+
+// megatron-core's state_dict at tensor size 2, per rank (tests/data/interop/mla_megatron_names_tp2.txt, written by
+// check_mla_export_with_megatron_core.py): "name shape" of each parameter, in order, of case `name`'s rank.
+std::vector<std::string> MegatronCoreNames(const std::string& name, int64_t rank) {
+  std::ifstream in(testing::SourceDir() + "/tests/data/interop/mla_megatron_names_tp2.txt");
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string c, kind, n, shape;
+    int64_t r = -1;
+    ls >> c >> r >> kind >> n >> shape;
+    if (c == name && r == rank && kind == "param") out.push_back(n + " " + shape);
+  }
+  return out;
+}
+
+// The local spec's T=2 export: each rank's parameters, names, shapes and order, are megatron-core's own at tensor
+// size 2.
+TEST_F(MegatronMlaTp, EachRanksNamesAndShapesAreMegatronCoresAtTensorSize2) {
+  for (const std::string name : {"lora_yarn", "plain_rope", "deepseek"}) {
+    testing::TempDir dir;
+    ASSERT_NO_FATAL_FAILURE(Save(Mla(name), dir / "ck"));
+    ASSERT_TRUE(Export(dir / "ck", dir / "meg", "local", 2).ok());
+    for (int64_t t = 0; t < 2; ++t) {
+      SCOPED_TRACE(::testing::Message() << name << " rank " << t);
+      const std::vector<std::string> want = MegatronCoreNames(name, t);
+      ASSERT_GT(want.size(), 20u) << "mla_megatron_names_tp2.txt has no " << name << " rank " << t;
+      auto f = torchfmt::TorchArchiveReader::Open(Rank(dir / "meg", t));
+      ASSERT_TRUE(f.ok()) << f.status();
+      std::vector<std::string> got;
+      for (const auto& [k, v] : (*f)->root().Get("model")->dict) {
+        if (k->s.ends_with("_extra_state") || k->s.ends_with("router.expert_bias")) continue;  // not parameters
+        std::string shape;
+        for (size_t i = 0; i < v->tensor.shape.size(); ++i)
+          shape += (i ? "x" : "") + std::to_string(v->tensor.shape[i]);
+        got.push_back(k->s + " " + shape);
+      }
+      EXPECT_EQ(got, want);
+    }
+  }
 }
 
 // ptk -> megatron at T=2 -> ptk: every weight and moment bit for bit, with experts, both specs, pipeline sizes 1 and 2,
