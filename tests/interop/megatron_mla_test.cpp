@@ -7,7 +7,7 @@
 // and shapes written are megatron-core's own (tests/data/interop/mla_megatron_names.txt, written by
 // tests/support/check_mla_export_with_megatron_core.py, which also loads the export in megatron-core and compares its
 // logits with ptk's); the distributed optimizer's distrib_optim.pt both ways; what is not supported (torch_dist, YaRN
-// settings other than megatron-core's defaults, MTP) and a checkpoint whose tensors disagree with its args are refused.
+// settings other than megatron-core's defaults) and a checkpoint whose tensors disagree with its args are refused.
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -424,7 +424,6 @@ TEST_F(MegatronMla, ImportRefusesWhatPtksMlaDoesNotRead) {
       {{{"yarn_original_max_position_embeddings", torchfmt::MakeInt(8192)}},
        "args.yarn_original_max_position_embeddings 8192 (ptk's YaRN: 4096)"},
       {{{"mla_down_proj_fusion", torchfmt::MakeBool(true)}}, "--mla-down-proj-fusion"},
-      {{{"mtp_num_layers", torchfmt::MakeInt(1)}}, "--mtp-num-layers 1"},
   };
   for (const auto& [set, message] : cases) {
     SCOPED_TRACE(message);
