@@ -382,7 +382,7 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
         source, fmt::join(unsupported, ", ")));
   PTK_RETURN_IF_ERROR(ReadMoeArgs(args, source, tp, &c));  // --num-experts: ptk's MoE layers
   PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, &c));      // --multi-latent-attention
-  PTK_RETURN_IF_ERROR(ReadMtpArgs(args, source, tp, &c));  // --mtp-num-layers: its mtp.layers.* tensors
+  PTK_RETURN_IF_ERROR(ReadMtpArgs(args, &c));              // --mtp-num-layers: its mtp.layers.* tensors
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;

@@ -147,12 +147,12 @@ void AddMlaSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::
 std::string MlaTrainFlags(const GPTConfig& c);
 
 // Megatron's multi-token prediction (interop/megatron_mtp.cpp). SetMtpArgs: args.mtp_num_layers (None without MTP)
-// and mtp_loss_scaling_factor into `a`. ReadMtpArgs: them into `c` (nothing without MTP); MTP at tensor-parallel size
-// `tp` above 1 refused naming `source`. CheckMtpExport: what the export does not write for an MTP model
-// (tensor-parallel targets, the distributed optimizer), refused naming `file`. AddMtpSettings / MtpTrainFlags: an
+// and mtp_loss_scaling_factor into `a`. ReadMtpArgs: them into `c` (nothing without MTP); each depth's eh_proj is
+// column-parallel and its transformer_layer split as a decoder layer (MegParams). CheckMtpExport: what the export does
+// not write for an MTP model (the distributed optimizer), refused naming `file`. AddMtpSettings / MtpTrainFlags: an
 // imported MTP model's settings (as ptk-train records them) and ptk-train's flags for it ("" without MTP).
 void SetMtpArgs(const GPTConfig& c, PyValue* a);
-absl::Status ReadMtpArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c);
+absl::Status ReadMtpArgs(const PyValue* args, GPTConfig* c);
 absl::Status CheckMtpExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file);
 void AddMtpSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
 std::string MtpTrainFlags(const GPTConfig& c);

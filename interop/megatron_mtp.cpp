@@ -20,26 +20,16 @@ void SetMtpArgs(const GPTConfig& c, PyValue* a) {
   torchfmt::DictSet(a, "mtp_loss_scaling_factor", torchfmt::MakeFloat(c.mtp_loss_scaling_factor));
 }
 
-absl::Status ReadMtpArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c) {
+absl::Status ReadMtpArgs(const PyValue* args, GPTConfig* c) {
   const auto n = NumAttr(args, "mtp_num_layers");
   if (!n || *n <= 0) return absl::OkStatus();
   c->mtp_num_layers = static_cast<int64_t>(*n);
   c->mtp_loss_scaling_factor = NumAttr(args, "mtp_loss_scaling_factor").value_or(0.1);
-  if (tp > 1)
-    return absl::FailedPreconditionError(
-        fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}) saved at tensor-parallel size {}: "
-                    "ptk-convert reads MTP depths at tensor-parallel size 1 only",
-                    source, c->mtp_num_layers, tp));
   return absl::OkStatus();
 }
 
 absl::Status CheckMtpExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file) {
   if (c.mtp_num_layers <= 0) return absl::OkStatus();
-  if (o.target_tensor_parallel_size > 1)
-    return absl::FailedPreconditionError(
-        fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}) with --target-tensor-parallel-size "
-                    "{}: ptk-convert writes MTP depths at tensor-parallel size 1 only",
-                    file, c.mtp_num_layers, o.target_tensor_parallel_size));
   if (o.target_use_distributed_optimizer)
     return absl::FailedPreconditionError(
         fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}) with --target-use-distributed-optimizer: "

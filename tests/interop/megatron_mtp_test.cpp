@@ -5,8 +5,8 @@
 // pipeline sizes 1 and 2, the Llama line, MoE and MLA too), the MTP settings and flags of the import; the names, shapes
 // and order written are megatron-core's own (tests/data/interop/mtp_megatron_names.txt, written by
 // tests/support/check_mtp_export_with_megatron_core.py, which also loads the export in megatron-core and compares its
-// lm and MTP losses with ptk's); what is not written (tensor-parallel MTP, the distributed optimizer, Hugging Face)
-// refused naming the flag.
+// lm and MTP losses with ptk's), at tensor-parallel size 2 too (mtp_megatron_names_tp2.txt, each rank's shards);
+// what is not written (the distributed optimizer, Hugging Face) refused naming the flag.
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -200,17 +200,65 @@ TEST_F(MegatronMtp, PtkToMegatronToPtkIsBitForBit) {
       }
 }
 
-// What is not written or read, refused in one line naming the flag; nothing written.
+// The local spec's T=2 export: each rank's parameters, names, shapes and order, are megatron-core's at tensor size 2
+// (tests/data/interop/mtp_megatron_names_tp2.txt): eh_proj column-parallel, each depth's layer split as a decoder's.
+TEST_F(MegatronMtp, EachRanksNamesAndShapesAreMegatronCoresAtTensorSize2) {
+  for (const std::string name : {"gpt_tied", "llama_untied"})
+    for (int64_t t = 0; t < 2; ++t) {
+      SCOPED_TRACE(::testing::Message() << name << " rank " << t);
+      std::ifstream in(testing::SourceDir() + "/tests/data/interop/mtp_megatron_names_tp2.txt");
+      std::vector<std::string> want;
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream ls(line);
+        std::string c, kind, n, shape;
+        int64_t r = -1;
+        ls >> c >> r >> kind >> n >> shape;
+        if (c == name && r == t && kind == "param") want.push_back(n + " " + shape);
+      }
+      ASSERT_GT(want.size(), 20u) << "mtp_megatron_names_tp2.txt has no " << name << " rank " << t;
+      testing::TempDir dir;
+      ASSERT_NO_FATAL_FAILURE(Save(Mtp(name), dir / "ck"));
+      auto s = Export(dir.path(), "local", 1, 2);
+      ASSERT_TRUE(s.ok()) << s.status();
+      auto f = torchfmt::TorchArchiveReader::Open(
+          dir / ("meg/iter_0000004/" + megatron::RankDir(t, 0, 1) + "/model_optim_rng.pt"));
+      ASSERT_TRUE(f.ok()) << f.status();
+      std::vector<std::string> got;
+      for (const auto& [k, v] : (*f)->root().Get("model")->dict) {
+        if (k->s.ends_with("_extra_state")) continue;
+        std::string shape;
+        for (size_t i = 0; i < v->tensor.shape.size(); ++i)
+          shape += (i ? "x" : "") + std::to_string(v->tensor.shape[i]);
+        got.push_back(k->s + " " + shape);
+      }
+      EXPECT_EQ(got, want);
+    }
+}
+
+// ptk -> megatron at T=2 -> ptk: every weight and moment bit for bit (GPT, Llama, MoE; both specs).
+TEST_F(MegatronMtp, PtkToMegatronAtTp2ToPtkIsBitForBit) {
+  for (const std::string name : {"gpt_tied", "llama_untied", "moe"})
+    for (const char* impl : {"transformer_engine", "local"}) {
+      SCOPED_TRACE(::testing::Message() << name << " " << impl);
+      testing::TempDir dir;
+      ASSERT_NO_FATAL_FAILURE(Save(Mtp(name), dir / "ck"));
+      auto s = Export(dir.path(), impl, 1, 2);
+      ASSERT_TRUE(s.ok()) << s.status();
+      auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
+      ASSERT_TRUE(back.ok()) << back.status();
+      auto ck = LoadPtkCheckpoint(dir / "back", 0, false, /*with_optimizer=*/true);
+      ASSERT_TRUE(ck.ok()) << ck.status();
+      EXPECT_EQ(ck->config.mtp_num_layers, Mtp(name).mtp_num_layers);
+      EXPECT_TRUE(ck->params == params_);
+      EXPECT_TRUE(ck->m1 == m1_);
+      EXPECT_TRUE(ck->m2 == m2_);
+    }
+}
+
+// What is not written, refused in one line naming the flag; nothing written.
 TEST_F(MegatronMtp, WhatIsNotWrittenIsRefusedNamingTheFlag) {
   testing::TempDir dir;
   ASSERT_NO_FATAL_FAILURE(Save(Mtp("gpt_tied"), dir / "ck"));
-  auto tp = Export(dir.path(), "local", 1, 2);
-  ASSERT_FALSE(tp.ok());
-  EXPECT_NE(tp.status().message().find("a multi-token prediction model (--mtp-num-layers 2) with "
-                                       "--target-tensor-parallel-size 2: ptk-convert writes MTP depths at "
-                                       "tensor-parallel size 1 only"),
-            std::string::npos)
-      << tp.status();
   auto distopt = Export(dir.path(), "local", 1, 1, true);
   ASSERT_FALSE(distopt.ok());
   EXPECT_NE(distopt.status().message().find("(--mtp-num-layers 2) with --target-use-distributed-optimizer"),
@@ -223,16 +271,6 @@ TEST_F(MegatronMtp, WhatIsNotWrittenIsRefusedNamingTheFlag) {
                                        "Face"),
             std::string::npos)
       << hf.status();
-  ASSERT_TRUE(Export(dir.path(), "local").ok());
-  auto f = torchfmt::TorchArchiveReader::Open(dir / kRank);
-  ASSERT_TRUE(f.ok()) << f.status();
-  auto at2 = megatron::ModelFromArgs((*f)->root().Get("args"), "meg/args", ConvertOptions{}, 2);
-  ASSERT_FALSE(at2.ok());
-  EXPECT_NE(at2.status().message().find("meg/args: a multi-token prediction model (--mtp-num-layers 2) saved at "
-                                        "tensor-parallel size 2: ptk-convert reads MTP depths at tensor-parallel "
-                                        "size 1 only"),
-            std::string::npos)
-      << at2.status();
 }
 
 }  // namespace

@@ -17,11 +17,16 @@ with mtp_block_spec = get_gpt_mtp_block_spec(config, local layer spec, use_trans
     where a float32 ulp is 4.8e-7: about 20 ulps for the summation orders of the logits behind a cross entropy);
     measured in the commit and docs/interop.md;
   - `ptk-convert --loader megatron` reads the export back to the same losses, bit for bit.
+Then at tensor-parallel size 2 (check_tp2): each model trained by ptk-train on two tensor ranks, exported with
+--target-tensor-parallel-size 2 and loaded by megatron-core at tensor size 2 in two gloo processes (as
+check_mla_tp2.py): each rank's file strictly, in named_parameters' order (eh_proj column-parallel, each depth's
+transformer_layer split as a decoder layer), and the lm and MTP losses (vocab-parallel cross entropy) ptk's within
+LOSS_TOL; each rank's names and shapes written to tests/data/interop/mtp_megatron_names_tp2.txt.
 It also writes the names megatron-core's state_dict has (tests/data/interop/mtp_megatron_names.txt: "case kind name
 shape"), which tests/interop/megatron_mtp_test.cpp compares ptk's export with.
-CPU only, one gloo rank (mcore_golden.one_cpu_rank); run by hand:
+CPU only, one gloo rank (mcore_golden.one_cpu_rank), then two; run by hand:
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/check_mtp_export_with_megatron_core.py \\
-      build/bin build/tests [tests/data/interop/mtp_megatron_names.txt]
+      build/bin build/tests [tests/data/interop/mtp_megatron_names.txt [tests/data/interop/mtp_megatron_names_tp2.txt]]
 """
 import dataclasses
 import os
@@ -34,6 +39,7 @@ import mcore_golden  # noqa: E402  (one_cpu_rank)
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2]
 NAMES_OUT = sys.argv[3] if len(sys.argv) > 3 else None
+NAMES_TP2_OUT = sys.argv[4] if len(sys.argv) > 4 else None
 LOSS_TOL = 1e-5
 VOCAB = 500
 TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -171,12 +177,82 @@ def check_case(torch, name, flags, tmp, names):
     names.extend((name,) + e for e in names_of(gpt))
 
 
+def tp2_rank(rank, store, meg, out):
+    """One of megatron-core's two tensor ranks: rank `rank`'s file of `meg` loaded, its losses into `out` (json)."""
+    import json
+    import torch
+    import torch.distributed as dist
+    from make_torch_dist_distopt_fixture import cpu_shims
+    cpu_shims(torch)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state
+    mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
+    mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
+    parallel_state.initialize_model_parallel(2, 1)
+    mrandom.model_parallel_cuda_manual_seed(1234)
+    sd = torch.load(os.path.join(meg, "iter_0000004", "mp_rank_{:02d}".format(rank), "model_optim_rng.pt"),
+                    weights_only=False)
+    gpt, opt = build(torch, sd["args"])
+    missing, unexpected = gpt.load_state_dict(sd["model"], strict=True)
+    ours = [k for k in sd["model"] if not k.endswith("_extra_state")]
+    opt.load_state_dict(sd["optimizer"])
+    res = {"tp": gpt.config.tensor_model_parallel_size, "strict": not missing and not unexpected,
+           "order": ours == [n for n, _ in gpt.named_parameters()], "names": names_of(gpt),
+           "losses": megatron_losses(torch, gpt, sd["args"].mtp_num_layers)}
+    with open(out, "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def check_tp2(name, flags, tmp, names):
+    """`name` trained by ptk-train on two tensor ranks, exported at --target-tensor-parallel-size 2 (local names) and
+    loaded by megatron-core at tensor size 2 in two gloo processes: each loads its rank's file strictly in
+    named_parameters' order, and its lm and MTP losses (vocab-parallel cross entropy) equal ptk's within LOSS_TOL."""
+    import json
+    import multiprocessing as mp
+    import check_mla_tp2
+    ck, meg = os.path.join(tmp, name + "-tp2-ck"), os.path.join(tmp, name + "-tp2-meg")
+    check_mla_tp2.train_tp2(sys.modules[__name__], flags, ck)
+    run([os.path.join(BIN, "ptk-convert"), "--loader", "ptk", "--saver", "megatron", "--load-dir", ck, "--save-dir",
+         meg, "--saver-transformer-impl", "local", "--target-tensor-parallel-size", "2"])
+    outs = [os.path.join(tmp, name + "-rank{}.json".format(r)) for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=tp2_rank, args=(r, os.path.join(tmp, name + "-store"), meg,
+                                                                      outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit("a megatron-core rank failed: exit {}".format(p.exitcode))
+    mine = ptk_losses(ck, tmp)
+    for r, o in enumerate(outs):
+        with open(o) as f:
+            res = json.load(f)
+        check(res["tp"] == 2 and res["strict"] and res["order"], "{} T=2: rank {} loads its file strictly at tensor "
+              "size 2, in named_parameters' order".format(name, r))
+        worst = max(abs(x - y) for t, m in zip(res["losses"], mine) for x, y in zip(t, m))
+        check(worst <= LOSS_TOL, "{} T=2: rank {}'s lm and MTP losses equal ptk's within {:.3g} (tolerance {})".format(
+            name, r, worst, LOSS_TOL))
+        names.extend((name, r) + tuple(e) for e in res["names"])
+
+
 def main():
-    names = []
+    names, names_tp2 = [], []
     with mcore_golden.one_cpu_rank() as torch:
         with tempfile.TemporaryDirectory() as tmp:
             for name, flags in CASES.items():
                 check_case(torch, name, flags, tmp, names)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flags in CASES.items():
+            check_tp2(name, flags, tmp, names_tp2)
+    if NAMES_TP2_OUT and not failures:
+        with open(NAMES_TP2_OUT, "w") as f:
+            f.write("# megatron-core 0.16.1's state_dict of ptk's MTP test models at tensor-parallel size 2 (local "
+                    "spec): case rank kind name shape.\n# Written by tests/support/check_mtp_export_with_megatron_core"
+                    ".py; read by tests/interop/megatron_mtp_test.cpp.\n")
+            for case, rank, kind, n, shape in names_tp2:
+                f.write("{} {} {} {} {}\n".format(case, rank, kind, n, shape))
     if NAMES_OUT and not failures:
         with open(NAMES_OUT, "w") as f:
             f.write("# megatron-core 0.16.1's state_dict of ptk's MTP test models (local spec): case kind name shape.\n"
