@@ -188,6 +188,14 @@ absl::Status PublishExport(const std::string& tmp, const std::string& target, co
   return RemoveTree(leftover);
 }
 
+absl::Status RefuseMtp(const PtkCheckpoint& ck) {
+  if (ck.config.mtp_num_layers <= 0) return absl::OkStatus();
+  return absl::UnimplementedError(
+      fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}): ptk-convert does not export MTP "
+                  "checkpoints to Hugging Face (DeepseekV3ForCausalLM has no MTP layers; --saver megatron writes them)",
+                  ck.file, ck.config.mtp_num_layers));
+}
+
 }  // namespace hf_detail
 
 void SetExportStepHookForTesting(ExportStepHook hook) { hf_detail::ExportHook() = std::move(hook); }

@@ -42,4 +42,8 @@ absl::Status CheckNotInside(const std::string& target, const char* what, const s
 // the two-rename path.
 absl::Status PublishExport(const std::string& tmp, const std::string& target, const std::string& old);
 
+// A checkpoint of ptk-train's multi-token prediction depths (--mtp-num-layers) refused: no Hugging Face class here
+// holds them (DeepseekV3ForCausalLM has no MTP layers); --saver megatron writes them.
+absl::Status RefuseMtp(const PtkCheckpoint& ck);
+
 }  // namespace ptk::hf_detail

@@ -227,8 +227,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
   PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress));
-  // A router's expert_bias: DeepseekV3ForCausalLM (MLA models) routes by it (e_score_correction_bias); no other HF
-  // class here does, and none drops it unsaid.
+  PTK_RETURN_IF_ERROR(hf_detail::RefuseMtp(ck));  // MTP depths: --saver megatron only
+  // A router's expert_bias: DeepseekV3ForCausalLM (MLA) routes by it; no other HF class does, none drops it unsaid.
   if (!ck.state.buffers.empty() && !ck.config.mla())
     return absl::UnimplementedError(fmt::format(
         "{}: the checkpoint holds {} (--moe-router-enable-expert-bias): Mixtral, Qwen2-MoE and "

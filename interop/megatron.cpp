@@ -554,6 +554,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
                                                   im.vp > 1 ? fmt::format("model0..model{}", im.vp - 1) : "model"));
     }
   im.te = TransformerEngineNames(sh, s.config);
+  SplitMlaDown(im.te, &im.params);
   im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp * im.vp > 1;
   PTK_RETURN_IF_ERROR(im.CheckRanks());
   PTK_RETURN_IF_ERROR(im.CheckTiedCopy());

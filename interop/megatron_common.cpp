@@ -30,6 +30,62 @@ std::string RankDir(int64_t tp, int64_t pp, int64_t num_pp) {
   return num_pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tp, pp) : fmt::format("mp_rank_{:02d}", tp);
 }
 
+namespace {
+
+// A transformer layer's parameter `rest` (of a MoE layer when `moe`) under `prefix` (the stage's decoder.layers.N., or
+// mtp.layers.K.transformer_layer.): its names under both specs and its tensor-parallel split.
+void LayerParam(const GPTConfig& c, bool moe, const std::string& prefix, const std::string& rest, MegParam* m) {
+  m->local_name = prefix + rest;
+  static const std::map<std::string, std::string> kTe = {
+      {"input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"},
+      {"input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"},
+      {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
+      {"pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"},
+  };
+  // A mixture of experts' layer keeps its pre-MLP norm apart (TENorm: no linear_fc1 to fuse it into).
+  auto te = moe && rest.rfind("pre_mlp_layernorm.", 0) == 0 ? kTe.end() : kTe.find(rest);
+  // MLA's TE spec: the input norm a TENorm of its own (no linear_qkv), the latents' norms fused into the up
+  // projections (TELayerNormColumnParallelLinear, with --qk-layernorm).
+  static const std::map<std::string, std::string> kMlaTe = {
+      {"self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"},
+      {"self_attention.q_layernorm.bias", "self_attention.linear_q_up_proj.layer_norm_bias"},
+      {"self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"},
+      {"self_attention.kv_layernorm.bias", "self_attention.linear_kv_up_proj.layer_norm_bias"},
+  };
+  std::string te_rest = te == kTe.end() ? rest : te->second;
+  if (c.mla() && rest.rfind("input_layernorm.", 0) == 0) te_rest = rest;
+  if (auto mla = kMlaTe.find(rest); c.mla() && mla != kMlaTe.end()) te_rest = mla->second;
+  m->te_name = prefix + te_rest;
+  // SequentialMLP's experts (one expert rank): each an MLP split over the tensor ranks as the dense one;
+  // the router (mlp.router.weight) whole on every rank.
+  static const std::regex kExpert(R"(mlp\.experts\.local_experts\.\d+\.(linear_fc1|linear_fc2)\.weight)");
+  std::smatch em;
+  if (std::regex_match(rest, em, kExpert)) {
+    m->expert = true;
+    m->split = em[1] == "linear_fc1" ? 0 : 1;
+    if (c.swiglu && m->split == 0) m->chunks = 2;
+  }
+  // SharedExpertMLP: an MLP of the tensor group, split as the dense one; its gate_weight whole on every rank.
+  if (rest == "mlp.shared_experts.linear_fc1.weight") {
+    m->split = 0;
+    if (c.swiglu) m->chunks = 2;
+  }
+  if (rest == "mlp.shared_experts.linear_fc2.weight") m->split = 1;
+  if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
+      rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
+    m->split = 0;
+  // SwiGLU's fc1 is [gate; up]: a tensor rank holds its rows of each, as Megatron's ColumnParallelLinear
+  // of 2 x ffn outputs that MLP chunks in two.
+  if (c.swiglu && (rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")) m->chunks = 2;
+  if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m->split = 1;
+  // MLA's up projections (and linear_q_proj) column-parallel by heads; its down projections: SplitMlaDown.
+  if (rest == "self_attention.linear_q_proj.weight" || rest == "self_attention.linear_q_up_proj.weight" ||
+      rest == "self_attention.linear_kv_up_proj.weight")
+    m->split = 0;
+}
+
+}  // namespace
+
 // The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
 absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp) {
   const GPTConfig& c = layout.config;
@@ -38,6 +94,9 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
         fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
   const int64_t per_stage = c.num_layers / pp;
   static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
+  // Multi-token prediction's depths (MultiTokenPredictionBlock, on the last stage): a depth's layer is of the decoder's
+  // last layer's kind; its enorm, hnorm, eh_proj (column-parallel) and final_layernorm around it.
+  static const std::regex kMtpLayer(R"((mtp\.layers\.\d+\.transformer_layer\.)(.*))");
   std::vector<MegParam> out;
   for (const ParamInfo& p : layout.infos) {
     MegParam m;
@@ -47,61 +106,22 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
     if (std::regex_match(p.name, match, kLayer)) {
       const int64_t l = std::atoll(match[1].str().c_str());
       m.stage = l / per_stage;
-      const std::string rest = match[2].str();
-      m.local_name = fmt::format("decoder.layers.{}.{}", l % per_stage, rest);
-      static const std::map<std::string, std::string> kTe = {
-          {"input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"},
-          {"input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"},
-          {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
-          {"pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"},
-      };
-      // A mixture of experts' layer keeps its pre-MLP norm apart (TENorm: no linear_fc1 to fuse it into).
-      auto te = c.moe_layer(l) && rest.rfind("pre_mlp_layernorm.", 0) == 0 ? kTe.end() : kTe.find(rest);
-      // MLA's TE spec: the input norm a TENorm of its own (no linear_qkv), the latents' norms fused into the up
-      // projections (TELayerNormColumnParallelLinear, with --qk-layernorm).
-      static const std::map<std::string, std::string> kMlaTe = {
-          {"self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"},
-          {"self_attention.q_layernorm.bias", "self_attention.linear_q_up_proj.layer_norm_bias"},
-          {"self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"},
-          {"self_attention.kv_layernorm.bias", "self_attention.linear_kv_up_proj.layer_norm_bias"},
-      };
-      std::string te_rest = te == kTe.end() ? rest : te->second;
-      if (c.mla() && rest.rfind("input_layernorm.", 0) == 0) te_rest = rest;
-      if (auto mla = kMlaTe.find(rest); c.mla() && mla != kMlaTe.end()) te_rest = mla->second;
-      m.te_name = fmt::format("decoder.layers.{}.{}", l % per_stage, te_rest);
-      // SequentialMLP's experts (one expert rank): each an MLP split over the tensor ranks as the dense one;
-      // the router (mlp.router.weight) whole on every rank.
-      static const std::regex kExpert(R"(mlp\.experts\.local_experts\.\d+\.(linear_fc1|linear_fc2)\.weight)");
-      std::smatch em;
-      if (std::regex_match(rest, em, kExpert)) {
-        m.expert = true;
-        m.split = em[1] == "linear_fc1" ? 0 : 1;
-        if (c.swiglu && m.split == 0) m.chunks = 2;
-      }
-      // SharedExpertMLP: an MLP of the tensor group, split as the dense one; its gate_weight whole on every rank.
-      if (rest == "mlp.shared_experts.linear_fc1.weight") {
-        m.split = 0;
-        if (c.swiglu) m.chunks = 2;
-      }
-      if (rest == "mlp.shared_experts.linear_fc2.weight") m.split = 1;
-      if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
-          rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
-        m.split = 0;
-      // SwiGLU's fc1 is [gate; up]: a tensor rank holds its rows of each, as Megatron's ColumnParallelLinear
-      // of 2 x ffn outputs that MLP chunks in two.
-      if (c.swiglu && (rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")) m.chunks = 2;
-      if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m.split = 1;
+      LayerParam(c, c.moe_layer(l), fmt::format("decoder.layers.{}.", l % per_stage), match[2].str(), &m);
+    } else if (std::regex_match(p.name, match, kMtpLayer)) {
+      m.stage = pp - 1;
+      LayerParam(c, c.moe_layer(c.num_layers - 1), match[1].str(), match[2].str(), &m);
     } else {
       m.local_name = m.te_name = p.name;
       if (p.name.rfind("embedding.", 0) == 0) {
         m.stage = 0;
       } else {
-        m.stage = pp - 1;  // final_layernorm, output_layer
+        m.stage = pp - 1;  // final_layernorm, output_layer, the MTP depths' norms and eh_proj
       }
       if (p.name == "embedding.word_embeddings.weight" || p.name == "output_layer.weight") {
         m.split = 0;
         m.vocab = true;
       }
+      if (p.name.ends_with(".eh_proj.weight")) m.split = 0;
     }
     out.push_back(std::move(m));
   }
@@ -147,7 +167,8 @@ std::vector<DistribBuffer> RankDistribBuffers(const std::vector<MegParam>& param
 }
 
 std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
-  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
+  // A decoder layer, or an MTP depth's transformer_layer (its norms and eh_proj a group of their own).
+  static const std::regex kLayer(R"(((?:decoder|mtp)\.layers\.\d+(?:\.transformer_layer)?)\.(.*))");
   std::vector<const MegParam*> out;
   // A layer's parameters, contiguous in ptk's order: linear_proj's moved before linear_qkv's (and,
   // with Transformer Engine's names, before the input LayerNorm).
@@ -347,8 +368,6 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   c.qk_layernorm = BoolAttr(args, "qk_layernorm", false);
   if (BoolAttr(args, "qk_l2_norm", false)) unsupported.push_back("--qk-l2-norm");
   if (BoolAttr(args, "attention_output_gate", false)) unsupported.push_back("--attention-output-gate");
-  if (auto mtp = NumAttr(args, "mtp_num_layers"); mtp && *mtp > 0)  // its mtp.layers.* tensors
-    unsupported.push_back(fmt::format("--mtp-num-layers {}", *mtp));
   c.squared_relu = BoolAttr(args, "squared_relu", false);
   if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
   c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);
@@ -362,7 +381,8 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
         "--disable-bias-linear, --qk-layernorm, --squared-relu, --apply-layernorm-1p)",
         source, fmt::join(unsupported, ", ")));
   PTK_RETURN_IF_ERROR(ReadMoeArgs(args, source, tp, &c));  // --num-experts: ptk's MoE layers
-  PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, tp, &c));  // --multi-latent-attention
+  PTK_RETURN_IF_ERROR(ReadMlaArgs(args, source, &c));      // --multi-latent-attention
+  PTK_RETURN_IF_ERROR(ReadMtpArgs(args, &c));              // --mtp-num-layers: its mtp.layers.* tensors
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;
@@ -535,6 +555,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   if (!optimizer_state && !s->release) state.settings.emplace_back(kOptimizerStateSetting, "none");
   AddMoeSettings(c, &state.settings);
   AddMlaSettings(c, &state.settings);
+  AddMtpSettings(c, &state.settings);
   SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
   PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
@@ -562,6 +583,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   if (c.squared_relu) s->train_flags += " --squared-relu";
   s->train_flags += MoeTrainFlags(c);
   s->train_flags += MlaTrainFlags(c);
+  s->train_flags += MtpTrainFlags(c);
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";

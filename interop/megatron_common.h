@@ -132,15 +132,30 @@ std::string MoeTrainFlags(const GPTConfig& c);
 // MLA model `c`, MLATransformerConfig's args (q_lora_rank None or a rank, kv_lora_rank, qk_head_dim,
 // qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim) into `a`. ReadMlaArgs:
 // those args into `c` (nothing without args.multi_latent_attention), what ptk's MLA does not compute or read (YaRN
-// settings other than megatron-core's defaults, fused down projections, tensor-parallel size `tp` above 1) refused
-// naming `source`. CheckMlaExport: what the export does not write for an MLA model (tensor-parallel targets), refused
-// naming `file`. AddMlaSettings / MlaTrainFlags: an
+// settings other than megatron-core's defaults, fused down projections) refused
+// naming `source`. CheckMlaExport: a tensor-parallel target the local spec's down projections do not divide, refused
+// naming `file`. SplitMlaDown: the down projections' split in `params` (MegParams') under the `te` or local spec:
+// whole on every rank (TELinear, "duplicated") or by rows (ColumnParallelLinear); the up projections and linear_q_proj
+// are column-parallel by heads, linear_proj row-parallel, the latent norms whole (MegParams). AddMlaSettings /
+// MlaTrainFlags: an
 // imported MLA model's settings (as ptk-train records them) and ptk-train's flags for it ("" without MLA).
 void SetMlaArgs(const GPTConfig& c, PyValue* a);
-absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c);
+absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, GPTConfig* c);
 absl::Status CheckMlaExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file);
+void SplitMlaDown(bool te, std::vector<MegParam>* params);
 void AddMlaSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
 std::string MlaTrainFlags(const GPTConfig& c);
+
+// Megatron's multi-token prediction (interop/megatron_mtp.cpp). SetMtpArgs: args.mtp_num_layers (None without MTP)
+// and mtp_loss_scaling_factor into `a`. ReadMtpArgs: them into `c` (nothing without MTP); each depth's eh_proj is
+// column-parallel and its transformer_layer split as a decoder layer (MegParams). CheckMtpExport: what the export does
+// not write for an MTP model (the distributed optimizer), refused naming `file`. AddMtpSettings / MtpTrainFlags: an
+// imported MTP model's settings (as ptk-train records them) and ptk-train's flags for it ("" without MTP).
+void SetMtpArgs(const GPTConfig& c, PyValue* a);
+absl::Status ReadMtpArgs(const PyValue* args, GPTConfig* c);
+absl::Status CheckMtpExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file);
+void AddMtpSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
+std::string MtpTrainFlags(const GPTConfig& c);
 
 // A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
 // (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins unless `release`).

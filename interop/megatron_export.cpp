@@ -180,12 +180,13 @@ struct Export {
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
       // Megatron's linear layers carry an (empty) extra state, after their last parameter (the bias, or
       // the weight of a layer without one).
-      // MLA's projections (linear_q_proj, linear_q_down_proj, ..., linear_kv_up_proj) have no bias.
+      // MLA's projections (linear_q_proj, linear_q_down_proj, ..., linear_kv_up_proj) and MTP's eh_proj have no bias.
       static const std::regex kLinear(
-          R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_(q|kv)[a-z_]*_proj))\.(weight|bias))");
+          R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_(q|kv)[a-z_]*_proj|eh_proj))\.(weight|bias))");
       std::smatch mm;
       if (std::regex_match(pd.name, mm, kLinear) &&
-          (mm[4] == "bias") == (mm[2] == "linear_qkv" ? c.qkv_bias() : !mm[3].matched && c.add_bias_linear)) {
+          (mm[4] == "bias") ==
+              (mm[2] == "linear_qkv" ? c.qkv_bias() : !mm[3].matched && mm[2] != "eh_proj" && c.add_bias_linear)) {
         if (te && mm[2] == "linear_proj") extra(mm[1].str().substr(0, mm[1].str().size() - 11) + "core_attention");
         extra(mm[1].str());
       }
@@ -532,7 +533,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck,
                        LoadPtkCheckpoint(o.load_dir, o.true_vocab_size, o.progress, /*with_optimizer=*/true));
   const GPTConfig& c = ck.config;
-  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: tensor-parallel size 1
+  PTK_RETURN_IF_ERROR(CheckMlaExport(o, c, ck.file));  // MLA: the local spec's down projections split
+  PTK_RETURN_IF_ERROR(CheckMtpExport(o, c, ck.file));  // MTP: tensor-parallel size 1, the plain optimizer
   if (c.moe() && o.target_use_distributed_optimizer)   // megatron-core's grad buffers of experts: not checked yet
     return absl::FailedPreconditionError(fmt::format(
         "{}: a mixture-of-experts model (--num-experts {}): --target-use-distributed-optimizer is not written for "
@@ -557,6 +559,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.mbuffers = MegBuffers(c, ex.mparams);
   PTK_RETURN_IF_ERROR(CheckExportBuffers(ex.mbuffers, state, ck.file));
   ex.te = o.saver_transformer_impl == "transformer_engine";
+  SplitMlaDown(ex.te, &ex.mparams);
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;
   ex.distopt = o.target_use_distributed_optimizer;

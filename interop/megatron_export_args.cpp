@@ -123,6 +123,7 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_i("world_size", tp * pp);
   SetMoeArgs(c, tp, a);  // num_experts None, or the mixture of experts' args
   SetMlaArgs(c, a);      // multi_latent_attention, and MLATransformerConfig's args
+  SetMtpArgs(c, a);      // mtp_num_layers, mtp_loss_scaling_factor
   set_s("transformer_impl", o.saver_transformer_impl);
   set_s("ckpt_format", "torch");
   set_b("use_distributed_optimizer", o.target_use_distributed_optimizer);

@@ -38,7 +38,7 @@ void SetMlaArgs(const GPTConfig& c, PyValue* a) {
   torchfmt::DictSet(a, "cache_mla_latents", torchfmt::MakeBool(false));
 }
 
-absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, int64_t tp, GPTConfig* c) {
+absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, GPTConfig* c) {
   if (!BoolAttr(args, "multi_latent_attention", false)) return absl::OkStatus();
   std::vector<std::string> why;
   c->multi_latent_attention = true;
@@ -72,22 +72,38 @@ absl::Status ReadMlaArgs(const PyValue* args, const std::string& source, int64_t
       why.push_back(fmt::format("args.{} {} (ptk's YaRN: {})", key, *v, fallback));
   if (BoolAttr(args, "mla_down_proj_fusion", false))
     why.push_back("--mla-down-proj-fusion (the down projections fused into one tensor)");
-  if (tp > 1) why.push_back(fmt::format("tensor-parallel size {} (ptk's MLA runs on one tensor rank)", tp));
   if (why.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(fmt::format(
-      "{}: the multi-latent attention model was saved with {}: ptk reads megatron-core's MLASelfAttention at "
-      "tensor-parallel size 1, --rope-type rope or yarn",
+      "{}: the multi-latent attention model was saved with {}: ptk reads megatron-core's MLASelfAttention with "
+      "--rope-type rope or yarn, unfused down projections and megatron-core's YaRN defaults",
       source, fmt::join(why, ", ")));
 }
 
 absl::Status CheckMlaExport(const ConvertOptions& o, const GPTConfig& c, const std::string& file) {
-  if (!c.mla()) return absl::OkStatus();
-  if (o.target_tensor_parallel_size > 1)
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: a multi-latent attention model with --target-tensor-parallel-size {}: ptk-convert writes MLA at "
-        "tensor-parallel size 1 only (pipeline stages are fine)",
-        file, o.target_tensor_parallel_size));
+  const int64_t tp = o.target_tensor_parallel_size;
+  if (!c.mla() || tp <= 1 || o.saver_transformer_impl != "local") return absl::OkStatus();
+  // The local spec's down projections are ColumnParallelLinear: megatron-core splits their rows over the ranks.
+  const int64_t kv_rows = c.kv_lora_rank + c.qk_pos_emb_head_dim;
+  if (kv_rows % tp != 0)
+    return UsageError(fmt::format(
+        "{}: --target-tensor-parallel-size {} does not divide linear_kv_down_proj's {} rows (kv_lora_rank {} + "
+        "qk_pos_emb_head_dim {}), which the local spec's ColumnParallelLinear splits (--saver-transformer-impl "
+        "transformer_engine keeps them whole)",
+        file, tp, kv_rows, c.kv_lora_rank, c.qk_pos_emb_head_dim));
+  if (c.q_lora_rank > 0 && c.q_lora_rank % tp != 0)
+    return UsageError(fmt::format(
+        "{}: --target-tensor-parallel-size {} does not divide linear_q_down_proj's {} rows (q_lora_rank), which the "
+        "local spec's ColumnParallelLinear splits (--saver-transformer-impl transformer_engine keeps them whole)",
+        file, tp, c.q_lora_rank));
   return absl::OkStatus();
+}
+
+void SplitMlaDown(bool te, std::vector<MegParam>* params) {
+  if (te) return;  // TELinear with parallel_mode "duplicated": whole on every rank
+  for (MegParam& m : *params)
+    if (m.info->name.ends_with(".self_attention.linear_q_down_proj.weight") ||
+        m.info->name.ends_with(".self_attention.linear_kv_down_proj.weight"))
+      m.split = 0;  // ColumnParallelLinear (gather_output False; MLA gathers the latent after it)
 }
 
 void AddMlaSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings) {

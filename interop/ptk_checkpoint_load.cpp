@@ -97,12 +97,8 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   c.untie_embeddings_and_output_weights = untie;
   if (bool mla = false; !m["multi_latent_attention"].get(mla) && mla && !ReadMlaHeader(m, &c))
     return bad("the header's description of multi-latent attention misses a field or has a bad one");
-  if (int64_t mtp = 0; !m["mtp_num_layers"].get(mtp) && mtp > 0)  // ptk-train's CPU multi-token prediction
-    return absl::UnimplementedError(
-        fmt::format("{}: a multi-token prediction model (--mtp-num-layers {}): ptk-convert does not export MTP "
-                    "checkpoints (neither --saver hf, whose DeepseekV3ForCausalLM has no MTP layers, nor --saver "
-                    "megatron)",
-                    file, mtp));
+  if (int64_t mtp = 0; !m["mtp_num_layers"].get(mtp) && mtp > 0)  // ptk-train's multi-token prediction depths
+    c.mtp_num_layers = mtp;          // (their loss weight is the run's --mtp-loss-scaling-factor setting)
   std::string_view window, softmax;  // ptk-train's CPU sliding window attention and softmax types
   const bool windowed = !m["window_size"].get(window), sink = !m["softmax_type"].get(softmax);
   if (windowed || sink)
@@ -233,6 +229,7 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.hidden_dropout = SettingOr(header, "--hidden-dropout", 0.1, &out.notes);
   c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
+  if (c.mtp_num_layers > 0) c.mtp_loss_scaling_factor = SettingOr(header, "--mtp-loss-scaling-factor", 0.1, &out.notes);
   if (c.moe()) {
     c.moe_aux_loss_coeff = SettingOr(header, "--moe-aux-loss-coeff", 0.0, &out.notes);
     ReadMoeTrainingSettings(header, &c);

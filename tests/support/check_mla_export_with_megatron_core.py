@@ -27,12 +27,28 @@ gen_mla_golden.mla_core_attention gives it them, the local attention's own math)
   - the dense cases exported again with --target-use-distributed-optimizer: megatron-core's DistributedOptimizer
     loads model_optim_rng.pt's optimizer and distrib_optim.pt, and every parameter's fp32 main param and moments are
     the ptk checkpoint's bit for bit (check_distopt).
+Then at tensor-parallel size 2 (check_tp2), each case trained by ptk-train on two tensor ranks (WORLD_SIZE=2, as
+tests/trainer/train_cli_support.h launches them) and exported with --target-tensor-parallel-size 2 (local names):
+two gloo processes build megatron-core's model at tensor size 2 (parallel_state.initialize_model_parallel(2, 1),
+as gen_moe_tp_router_golden.py), and each
+  - loads its rank's mp_rank_0R/model_optim_rng.pt strictly (megatron-core's shard of every MLA tensor: linear_q_proj,
+    the up projections and the local spec's ColumnParallelLinear down projections by rows, linear_proj by columns),
+    its keys in named_parameters' order, its optimizer's moments of its shards' shapes;
+  - computes its vocabulary shard of the logits and the per-token loss (GPTModel with labels: megatron-core's
+    vocab-parallel cross entropy over both ranks) of the 2 sequences;
+the gathered logits equal ptk's (logits_tool on ptk's T=2 checkpoint) within TOL, the mean losses ptk's (logits_tool's
+lm loss) within LOSS_TOL = 1e-5 (fp32 both; about 20 float32 ulps at losses near 6.5: logits off by ~2e-6 in their
+summation orders move a cross entropy by as much, the vocab-parallel sum over two ranks adding its own rounding;
+measured 2.0e-7, 1.4e-7 and 3.4e-7, the logits within 1.7e-6 in each case), and the
+import of the T=2 files gives ptk's logits bit for bit. Each rank's state_dict names and shapes go to
+tests/data/interop/mla_megatron_names_tp2.txt ("case rank kind name shape"), which megatron_mla_tp_test.cpp compares
+ptk's T=2 export with.
 It also writes the names megatron-core's state_dict has for each case (tests/data/interop/mla_megatron_names.txt:
 "case kind name shape", kind param / buffer / extra, in state_dict order), which tests/interop/megatron_mla_test.cpp
 compares ptk's export with (CI cannot run megatron-core).
-CPU only, one gloo rank (mcore_golden.one_cpu_rank); run by hand:
+CPU only, one gloo rank (mcore_golden.one_cpu_rank), then two (check_mla_tp2.py); run by hand (about 2 minutes):
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/check_mla_export_with_megatron_core.py \\
-      build/bin build/tests [tests/data/interop/mla_megatron_names.txt]
+      build/bin build/tests [tests/data/interop/mla_megatron_names.txt [tests/data/interop/mla_megatron_names_tp2.txt]]
 """
 import dataclasses
 import os
@@ -46,7 +62,9 @@ import mcore_golden  # noqa: E402  (one_cpu_rank)
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2]
 NAMES_OUT = sys.argv[3] if len(sys.argv) > 3 else None
+NAMES_TP2_OUT = sys.argv[4] if len(sys.argv) > 4 else None
 TOL = 1e-4
+LOSS_TOL = 1e-5
 VOCAB = 500
 TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "3e-3", "--mock-data", "--threads", "2",
@@ -244,13 +262,24 @@ def check_case(torch, numpy, name, flags, tmp, names):
 
 def main():
     import numpy
-    names = []
+    names, names_tp2 = [], []
     with mcore_golden.one_cpu_rank(moe=True, mla=True) as torch:
         with tempfile.TemporaryDirectory() as tmp:
             for name, flags in CASES.items():
                 check_case(torch, numpy, name, flags, tmp, names)
                 if name != "deepseek":  # MoE models are not written with the distributed optimizer yet
                     check_distopt(torch, name, tmp)
+    import check_mla_tp2
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flags in CASES.items():
+            check_mla_tp2.check_tp2(sys.modules[__name__], name, flags, tmp, names_tp2)
+    if NAMES_TP2_OUT and not failures:
+        with open(NAMES_TP2_OUT, "w") as f:
+            f.write("# megatron-core 0.16.1's state_dict of ptk's MLA test models at tensor-parallel size 2 (local "
+                    "spec): case rank kind name shape.\n# Written by tests/support/check_mla_export_with_megatron_core"
+                    ".py; read by tests/interop/megatron_mla_tp_test.cpp.\n")
+            for case, rank, kind, n, shape in names_tp2:
+                f.write("{} {} {} {} {}\n".format(case, rank, kind, n, shape))
     if NAMES_OUT and not failures:
         with open(NAMES_OUT, "w") as f:
             f.write("# megatron-core 0.16.1's state_dict of ptk's MLA test models (local spec): case kind name shape.\n"

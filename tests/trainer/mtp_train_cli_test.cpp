@@ -71,7 +71,7 @@ TEST_F(MtpTrainCli, TrainsLogsTheDepthsLossesAndSavesMegatronsNames) {
   c.mtp_num_layers = 1;  // another depth count is another model
   auto other = ParamLayout::Create(c);
   EXPECT_FALSE(LoadCheckpoint(dir_ / "ck", 4, *other, &p, &m, &v, &st).ok());
-  for (const char* saver : {"hf", "megatron"}) {
+  for (const char* saver : {"hf"}) {  // --saver megatron writes MTP depths (megatron_mtp_test)
     const std::string out = dir_ / (std::string("export-") + saver);
     auto e = RunCmd(testing::Tool("ptk-convert") + " --loader ptk --saver " + saver + " --load-dir " +
                     ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(out));
