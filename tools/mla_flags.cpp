@@ -120,11 +120,6 @@ absl::Status ResolveMlaFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& f, Device device) {
   if (!f.mla.on) return absl::OkStatus();
-  if (f.context_parallel_size > 1)
-    return UsageError(fmt::format(
-        "--multi-latent-attention with --context-parallel-size {}: ptk's multi-latent attention runs with data, "
-        "tensor (and sequence) and pipeline parallelism only for now",
-        f.context_parallel_size));
   if (f.tensor_model_parallel_size > 1 && f.mtp.num_layers.value_or(0) > 0)
     return UsageError(fmt::format(
         "--multi-latent-attention with --mtp-num-layers {} and --tensor-model-parallel-size {}: ptk's multi-token "

@@ -101,11 +101,6 @@ absl::Status RefuseMoeBalanceParallelism(const TrainFlags& f) {
         "{} with --pipeline-model-parallel-size {}: ptk has not checked it over pipeline stages (each stage's "
         "routers' counts and biases) against Megatron and refuses it",
         on.front(), f.pipeline_model_parallel_size));
-  if (f.context_parallel_size > 1)
-    return UsageError(fmt::format(
-        "{} with --context-parallel-size {}: Megatron sums its token counts over the context ranks too; ptk has not "
-        "implemented that and refuses it",
-        on.front(), f.context_parallel_size));
   return absl::OkStatus();
 }
 

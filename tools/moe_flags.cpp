@@ -327,24 +327,9 @@ absl::Status RefuseMoeParallelism(const TrainFlags& f) {
           fmt::format("--expert-tensor-parallel-size {} without --num-experts", *f.moe.expert_tensor_parallel));
     return absl::OkStatus();
   }
-  const std::string moe = fmt::format("--num-experts {}", f.moe.num_experts);
   PTK_RETURN_IF_ERROR(RefuseExpertParallel(f));
   PTK_RETURN_IF_ERROR(RefuseMoeBalanceParallelism(f));
   PTK_RETURN_IF_ERROR(RefuseMoeTensorParallel(f));
-  const TrainFlags::Moe& m = f.moe;
-  const bool aux = !m.aux_loss_coeff.empty() && m.aux_loss_coeff[0] > 0 &&
-                   (m.load_balancing_type.empty() || m.load_balancing_type[0] != "none");
-  if (m.z_loss_coeff.value_or(0) > 0 && f.context_parallel_size > 1)
-    return UsageError(fmt::format(
-        "--moe-z-loss-coeff with --context-parallel-size {}: Megatron divides the z-loss's coefficient by the context "
-        "ranks and logs each rank's own; ptk has not checked that against Megatron and refuses it",
-        f.context_parallel_size));
-  if (aux && f.context_parallel_size > 1 && f.options.optimizer.calculate_per_token_loss)
-    return UsageError(fmt::format(
-        "{} with --context-parallel-size {} and --calculate-per-token-loss: Megatron scales each context rank's "
-        "load-balancing loss gradient by its own tokens (1/{} of one rank's); ptk has not checked that against "
-        "Megatron and refuses it (drop one of them, or --moe-aux-loss-coeff 0)",
-        moe, f.context_parallel_size, f.context_parallel_size));
   return absl::OkStatus();
 }
 

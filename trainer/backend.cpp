@@ -134,11 +134,9 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
           "num_experts {}: the CUDA backend's mixture-of-experts layers have no {}; it runs on the CPU backend",
           config.num_experts, missing));
   }
-  // Multi-latent attention is the CPU passes' too (cpu_mla_layer.cpp), on one tensor and one context rank.
+  // Multi-latent attention is the CPU passes' too (cpu_mla_layer.cpp).
   if (config.mla() && backend.device != Device::kCpu)
     return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on the CPU backend");
-  if (config.mla() && backend.context_comm && backend.context_comm->size() > 1)
-    return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on one context rank");
   // Multi-token prediction is the CPU model's ForwardBackward's (mtp_cpu.cpp), on one context rank.
   if (config.mtp_num_layers > 0 && backend.device != Device::kCpu)
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");

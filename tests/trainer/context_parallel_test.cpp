@@ -112,6 +112,21 @@ TEST(ContextParallel, GptModelMatchesOneRank) { ExpectContextRanksMatchOne(Confi
 
 TEST(ContextParallel, LlamaLineModelMatchesOneRank) { ExpectContextRanksMatchOne(Config(true), "Llama line"); }
 
+// Multi-latent attention: the gathered rows' query and key heads qk + pe wide, the values' v (12 and 6 here), and the
+// rotary key and query parts by true position (each rank's rows of the whole sample's tables), plain RoPE without a
+// query LoRA and YaRN with one.
+TEST(ContextParallel, MultiLatentAttentionMatchesOneRank) {
+  for (bool yarn : {false, true}) {
+    GPTConfig c = Config(false);
+    c.position_embedding = PositionEmbedding::kRope;
+    c.normalization = Normalization::kRMSNorm;
+    c.multi_latent_attention = true, c.qk_layernorm = true, c.mla_yarn = yarn;
+    c.q_lora_rank = yarn ? 16 : 0, c.kv_lora_rank = 12, c.qk_head_dim = 8, c.qk_pos_emb_head_dim = 4, c.v_head_dim = 6;
+    if (yarn) c.rotary_scaling_factor = 4, c.mscale = c.mscale_all_dim = 0.7;
+    ExpectContextRanksMatchOne(c, yarn ? "MLA with YaRN" : "MLA");
+  }
+}
+
 // A sliding window across the ranks' chunks (each rank's rows masked by their true positions) on the first layer
 // only, and the learnable softmax offsets (each row's sink once, on the rank holding the row; their gradients
 // summed over the context group), with and without recomputed attention. ptk-train refuses the softmax types under

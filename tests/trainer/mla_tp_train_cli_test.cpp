@@ -158,8 +158,6 @@ TEST_F(MlaTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
                            " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
                            testing::SmallVocabFlags() + kLora;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {" --tensor-model-parallel-size 2 --context-parallel-size 2",
-       "usage error: --multi-latent-attention with --context-parallel-size 2: ptk's multi-latent attention runs"},
       {" --tensor-model-parallel-size 2 --mtp-num-layers 1",
        "usage error: --multi-latent-attention with --mtp-num-layers 1 and --tensor-model-parallel-size 2: ptk's"},
       {" --tensor-model-parallel-size 2 --mtp-num-layers 1 --dry-run",

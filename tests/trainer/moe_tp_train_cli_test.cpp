@@ -259,11 +259,6 @@ TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
        "usage error: --moe-ffn-hidden-size 47 is not divisible by --tensor-model-parallel-size 2"},
       {tp + " --sequence-parallel --moe-shared-expert-intermediate-size 33",
        "usage error: --moe-shared-expert-intermediate-size 33 is not divisible by --tensor-model-parallel-size 2"},
-      {tp + " --sequence-parallel --moe-z-loss-coeff 0.01 --context-parallel-size 2",
-       "usage error: --moe-z-loss-coeff with --context-parallel-size 2: Megatron divides"},
-      {tp + " --sequence-parallel --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-            "--context-parallel-size 2",
-       "usage error: --moe-router-enable-expert-bias with --context-parallel-size 2: Megatron sums"},
       {tp + " --sequence-parallel --expert-model-parallel-size 2",
        "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
       {tp + " --sequence-parallel --device cuda",

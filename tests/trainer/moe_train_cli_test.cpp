@@ -593,12 +593,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
              "--pipeline-model-parallel-size 3",
        "usage error: --moe-router-load-balancing-type seq_aux_loss with --pipeline-model-parallel-size 3: ptk has not"},
-      {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --dry-run "
-             "--context-parallel-size 2",
-       "usage error: --moe-router-enable-expert-bias with --context-parallel-size 2: Megatron sums"},
-      {moe + " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
-             "--context-parallel-size 2",
-       "usage error: --moe-router-load-balancing-type global_aux_loss with --context-parallel-size 2"},
       {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
        "usage error: --num-experts 4 with --moe-router-enable-expert-bias on --device cuda"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
@@ -631,8 +625,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-group-topk 0", "--moe-router-group-topk"},
       {moe + " --moe-z-loss-coeff -1", "--moe-z-loss-coeff"},
       {moe + " --moe-router-topk-scaling-factor nan", "--moe-router-topk-scaling-factor"},
-      {moe + " --moe-z-loss-coeff 0.01 --context-parallel-size 2",
-       "usage error: --moe-z-loss-coeff with --context-parallel-size 2: Megatron divides"},
       {moe + " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2 --moe-router-num-groups 2 "
              "--moe-router-group-topk 1 --device cuda",
        "usage error: --num-experts 4 with group-limited routing (--moe-router-num-groups) on --device cuda"},
@@ -647,8 +639,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-layer-freq '[0]*3'", "usage error: --moe-layer-freq [0]*3: no layer is MoE"},
       {moe + " --tensor-model-parallel-size 2",
        "usage error: --num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
-      {moe + " --moe-aux-loss-coeff 0.01 --context-parallel-size 2 --calculate-per-token-loss",
-       "usage error: --num-experts 4 with --context-parallel-size 2 and --calculate-per-token-loss: Megatron scales"},
       {moe + " --dry-run --bf16 --tensor-model-parallel-size 2 --sequence-parallel",
        "usage error: --num-experts 4 with --tensor-model-parallel-size 2 on --device cuda (or --bf16 / --fp16: the "
        "CUDA backend's): its mixture-of-experts layers are dropless and data-parallel only"},

@@ -3,6 +3,9 @@
 // fused buffer the core attention reads. With tensor ranks each runs its heads (its rows of the column-parallel up
 // projections) and the whole down projections and latent norms, whose gradients and its input's are then its heads'
 // share, summed over the tensor group (the input's by the caller, the weights' by NonTensorParallelGradRanges).
+#include <algorithm>
+#include <vector>
+
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -45,16 +48,24 @@ AttentionShape MlaAttentionShape(const GPTConfig& cf, int64_t b, int64_t t, int6
 void CpuGPTModel::PrepareMla(int64_t t) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const int64_t half = cf.qk_pos_emb_head_dim / 2;
-  a.mla_cos.assign(static_cast<size_t>(t * half), 0.0f);
-  a.mla_sin.assign(a.mla_cos.size(), 0.0f);
+  const int64_t half = cf.qk_pos_emb_head_dim / 2, C = cp() ? context_comm_->size() : 1;
+  // A context rank's rows are its positions of the whole sample (context_positions_): the tables of the whole
+  // sample's t x C positions, then each row's own.
+  std::vector<float> cos(static_cast<size_t>(t * C * half)), sin(cos.size());
   cpu::MlaRope r;
   r.base = cf.rotary_base;
   r.yarn = cf.mla_yarn;
   r.factor = cf.rotary_scaling_factor;
   r.mscale = cf.mscale;
   r.mscale_all_dim = cf.mscale_all_dim;
-  cpu::MlaRopeTables(a.mla_cos.data(), a.mla_sin.data(), t, cf.qk_pos_emb_head_dim, r);
+  cpu::MlaRopeTables(cos.data(), sin.data(), t * C, cf.qk_pos_emb_head_dim, r);
+  a.mla_cos.assign(static_cast<size_t>(t * half), 0.0f);
+  a.mla_sin.assign(a.mla_cos.size(), 0.0f);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t at = (cp() ? context_positions_[static_cast<size_t>(i)] : i) * half;
+    std::copy(cos.begin() + at, cos.begin() + at + half, a.mla_cos.begin() + i * half);
+    std::copy(sin.begin() + at, sin.begin() + at + half, a.mla_sin.begin() + i * half);
+  }
 }
 
 void CpuGPTModel::MlaQkvForward(int64_t l, const LayerParams& lp, const float* x) {

@@ -12,6 +12,7 @@
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cpu/expert_parallel_cpu.h"
+#include "trainer/cpu/moe_balance_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 
 namespace ptk {
@@ -66,15 +67,8 @@ absl::Status CpuGPTModel::MoeMlpForward(int64_t l, const LayerParams& lp, const 
   if (train && cf.moe_z_loss_coeff > 0)
     moe_z_sum_ += tp() ? cpu::MoeZLossOfShard(m, s, s.shards - 1) : cpu::MoeZLoss(m, s);
   if (!train || cf.moe_aux_loss_coeff <= 0) return absl::OkStatus();
-  if (cp()) {  // the experts' token counts over the whole sequence (Megatron's over the tensor x context group)
-    std::vector<double> counts(static_cast<size_t>(s.experts) + 1);
-    for (int64_t e = 0; e < s.experts; ++e) counts[static_cast<size_t>(e)] = m.AuxCount(e);
-    counts.back() = m.AuxTokens();
-    PTK_RETURN_IF_ERROR(context_comm_->AllReduceSum(counts.data(), s.experts + 1));
-    m.group_n = counts.back();
-    counts.pop_back();
-    m.group_count = std::move(counts);
-  }
+  // The experts' token counts over the whole sequence (Megatron's over the tensor x context group).
+  PTK_RETURN_IF_ERROR(cpu::MoeContextAuxCounts(&m, s, context_comm_));
   moe_aux_sum_ += cpu::MoeAuxLoss(m, s);  // with context ranks this rank's part: their sum is the sequence's
   return absl::OkStatus();
 }
@@ -89,8 +83,9 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, const
   float* G = grads_.data();
   const double aux_grad = train ? cf.moe_aux_loss_coeff * moe_aux_loss_scale_ : 0.0;
   // The z-loss's MoEAuxLossAutoScaler scale is the load-balancing loss's (with --calculate-per-token-loss both are
-  // multiplied by the micro-batch's tokens); context ranks are refused with it (moe_flags.cpp).
-  const double z_grad = train ? cf.moe_z_loss_coeff * moe_aux_loss_scale_ : 0.0;
+  // multiplied by the rank's micro-batch tokens); its coefficient over the context ranks (MoeZLossRankCoeff).
+  const double z_grad =
+      train ? cpu::MoeZLossRankCoeff(cf.moe_z_loss_coeff, cp() ? context_comm_->size() : 1) * moe_aux_loss_scale_ : 0.0;
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
   for (double& g : m.balance_grad) g *= moe_aux_loss_scale_;  // seq_ and global_aux_loss's (MoeBalanceForward)
   if (lp.shared_fc1 >= 0)  // shared experts: replicated on the expert ranks, each on its own tokens

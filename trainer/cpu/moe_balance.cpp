@@ -4,7 +4,6 @@
 // (switch_load_balancing_loss_func on each sequence's counts, or on the step's data group counts so far).
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,34 +13,10 @@
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/moe_balance_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 
 namespace ptk {
-namespace {
-
-// Each token's plain top-k of its scores (compute_routing_scores_for_aux_loss's routing map) counted per group
-// of `per` consecutive tokens: (n / per, E), and the scores' sums per group and expert alike.
-void GroupCounts(const cpu::MoeActivations<float>& m, int64_t E, int64_t K, int64_t per, std::vector<double>* counts,
-                 std::vector<double>* sums) {
-  const int64_t groups = m.n / per;
-  counts->assign(static_cast<size_t>(groups * E), 0.0);
-  sums->assign(static_cast<size_t>(groups * E), 0.0);
-  std::vector<int32_t> all(static_cast<size_t>(E));
-  std::vector<float> col(static_cast<size_t>(groups * E), 0.0f);  // fp32 sums, as probs.sum(dim=0)
-  for (int64_t i = 0; i < m.n; ++i) {
-    const float* v = m.scores.data() + i * E;
-    std::iota(all.begin(), all.end(), 0);
-    std::partial_sort(all.begin(), all.begin() + K, all.end(),
-                      [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
-    const int64_t g = i / per;
-    for (int64_t k = 0; k < K; ++k) (*counts)[static_cast<size_t>(g * E + all[k])] += 1;
-    for (int64_t e = 0; e < E; ++e) col[static_cast<size_t>(g * E + e)] += v[e];
-  }
-  std::copy(col.begin(), col.end(), sums->begin());
-}
-
-}  // namespace
-
 CpuGPTModel::MoeBalanceState& CpuGPTModel::BalanceOf(int64_t l) {
   const GPTConfig& cf = config();
   const size_t layers = static_cast<size_t>(cf.num_layers + cf.mtp_num_layers);
@@ -78,7 +53,7 @@ std::string CpuGPTModel::ExpertBiasName(int64_t l) const {
 absl::Status CpuGPTModel::MoeBalanceForward(int64_t l, cpu::MoeActivations<float>* m, const cpu::MoeSettings& s) {
   const GPTConfig& cf = config();
   MoeBalanceState& st = BalanceOf(l);
-  const int64_t E = s.experts, K = s.topk, n = m->n;
+  const int64_t E = s.experts, n = m->n;
   if (cf.moe_router_enable_expert_bias)  // the dispatch's counts (the biased routing map)
     for (int64_t e = 0; e < E; ++e)
       st.tokens[static_cast<size_t>(e)] += static_cast<double>(m->begin[e + 1] - m->begin[e]);
@@ -87,35 +62,14 @@ absl::Status CpuGPTModel::MoeBalanceForward(int64_t l, cpu::MoeActivations<float
   const int64_t S = seq ? act_->t : n, B = n / S;  // the groups the gradient rows cover: sequences, or all tokens
   m->balance_tokens = S;
   m->balance_grad.assign(static_cast<size_t>(B * E), 0.0);
-  std::vector<double> counts, sums;
-  if (seq) {  // each sequence's switch loss with its own counts, their mean over the micro-batch's sequences
-    GroupCounts(*m, E, K, S, &counts, &sums);
-    const double unit = static_cast<double>(E) / (static_cast<double>(K) * S * S * B);
-    double loss = 0;
-    for (size_t j = 0; j < counts.size(); ++j) {
-      loss += sums[j] * counts[j];
-      m->balance_grad[j] += cf.moe_seq_aux_loss_coeff * unit * counts[j];
-    }
-    balance_sums_.seq += loss * unit;
+  if (seq) {  // each sequence's switch loss with its counts over the context ranks, their mean over the sequences
+    PTK_ASSIGN_OR_RETURN(const double loss, cpu::MoeSeqAuxLoss(m, s, S, cf.moe_seq_aux_loss_coeff, context_comm_));
+    balance_sums_.seq += loss;
   }
-  if (global) {  // the data group's counts of the step's micro-batches so far, averaged
-    GroupCounts(*m, E, K, n, &counts, &sums);
-    const int G = moe_data_comm_ != nullptr ? moe_data_comm_->size() : 1;
-    if (G > 1) PTK_RETURN_IF_ERROR(moe_data_comm_->AllReduceSum(counts.data(), E));
-    if (st.global_counts.empty()) st.global_counts.assign(static_cast<size_t>(E), 0.0);
-    st.global_steps += 1;
-    const double T = static_cast<double>(n) * G, unit = static_cast<double>(E) / (static_cast<double>(K) * T * T);
-    double loss = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      st.global_counts[static_cast<size_t>(e)] += counts[static_cast<size_t>(e)];
-      // fp32 as Megatron's buffers: global_tokens_per_expert / ga_steps
-      const double avg = static_cast<float>(static_cast<float>(st.global_counts[static_cast<size_t>(e)]) /
-                                            static_cast<float>(st.global_steps));
-      loss += sums[static_cast<size_t>(e)] * avg;
-      for (int64_t b = 0; b < B; ++b)
-        m->balance_grad[static_cast<size_t>(b * E + e)] += cf.moe_global_aux_loss_coeff * unit * avg;
-    }
-    balance_sums_.global += loss * unit;
+  if (global) {  // the data (x context) group's counts of the step's micro-batches so far, averaged
+    PTK_ASSIGN_OR_RETURN(const double loss, cpu::MoeGlobalAuxLoss(m, s, cf.moe_global_aux_loss_coeff, moe_data_comm_,
+                                                                  &st.global_counts, &st.global_steps));
+    balance_sums_.global += loss;
   }
   return absl::OkStatus();
 }
