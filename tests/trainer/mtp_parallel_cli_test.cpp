@@ -118,6 +118,13 @@ TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelTrainAsOneRankDoesOneOr
   }
 }
 
+// The depths on the last of two pipeline stages, their positions split over its two tensor ranks: the decoder
+// output's gradient each micro-batch's depths leave (this rank's positions) waits for the slot's backward.
+TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelTimesTwoStagesTrainAsOneRankDoes) {
+  ASSERT_NO_FATAL_FAILURE(
+      TrainsAsOneRank(4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel"));
+}
+
 // DeepSeek-V3's shape: MoE layers (Megatron needs sequence parallelism for them under tensor parallelism), the
 // depths' layers MoE too, with shared experts, sigmoid routing with an expert bias and an auxiliary loss.
 const char kDeepSeekLikeMoe[] =
