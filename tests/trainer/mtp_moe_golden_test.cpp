@@ -104,6 +104,9 @@ class MtpMoeGolden : public ::testing::TestWithParam<std::string> {
   double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
   double WantMtp(int64_t step, int64_t k) { return g_.meta["steps"].at(step)["mtp_losses"].at(k).get_double(); }
 
+  // The first step at two tensor ranks (`sp`: with sequence parallelism) against megatron-core's numbers.
+  void FirstStepAtTwoTensorRanks(bool sp);
+
   Golden g_{GetParam()};
   GoldenBatches batches_{g_};
   GPTConfig config_;
@@ -172,11 +175,11 @@ TEST_P(MtpMoeGolden, TheFirstStepsGradientsMatchMegatron) {
       Want(0, "load_balancing_loss"), worst);
 }
 
-// Two tensor ranks with sequence parallelism (gloo ranks as threads, each its slices of megatron-core's initial
-// weights; Megatron runs MoE under tensor parallelism with sequence parallelism only): megatron-core's first step
-// within the same bounds, every gradient gathered from the ranks' slices after the training step's sum of the
+// Two tensor ranks, with sequence parallelism and without (gloo ranks as threads, each its slices of megatron-core's
+// initial weights; Megatron runs MoE under tensor parallelism with sequence parallelism only): megatron-core's first
+// step within the same bounds, every gradient gathered from the ranks' slices after the training step's sum of the
 // sequence-parallel partial gradients over the tensor group.
-TEST_P(MtpMoeGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) {
+void MtpMoeGolden::FirstStepAtTwoTensorRanks(bool sp) {
   auto whole = ParamLayout::Create(config_);
   ASSERT_TRUE(whole.ok()) << whole.status();
   const std::vector<float> init = g_.InitWeights(*whole);
@@ -184,7 +187,7 @@ TEST_P(MtpMoeGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) {
   std::vector<StepResult> results(2);
   std::mutex mu;
   testing::RunRanks(2, [&](Communicator* tensor, int rank) {
-    auto model = CpuGPTModel::Create(config_, tensor, /*sequence_parallel=*/true);
+    auto model = CpuGPTModel::Create(config_, tensor, sp);
     ASSERT_TRUE(model.ok()) << model.status();
     std::vector<float> mine(static_cast<size_t>((*model)->num_params()));
     CopyToShard((*model)->layout(), init, mine);
@@ -212,9 +215,20 @@ TEST_P(MtpMoeGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) {
     EXPECT_LE(e, 1e-5) << p.name;
     worst = std::max(worst, e);
   }
-  std::printf("%s at T=2 SP: loss %.9g (megatron %.9g), mtp_1 %.9g (%.9g), largest gradient difference %.3g\n",
-              GetParam().c_str(), results[0].lm_loss(), Want(0, "lm_loss"), results[0].mtp_losses[0], WantMtp(0, 0),
-              worst);
+  std::printf("%s at T=2%s: loss %.9g (megatron %.9g), mtp_1 %.9g (%.9g), largest gradient difference %.3g\n",
+              GetParam().c_str(), sp ? " SP" : "", results[0].lm_loss(), Want(0, "lm_loss"), results[0].mtp_losses[0],
+              WantMtp(0, 0), worst);
+}
+
+TEST_P(MtpMoeGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) { FirstStepAtTwoTensorRanks(true); }
+
+// Without sequence parallelism the layers every rank holds whole get the same gradient on every rank, but for the
+// tensors whose gradient is each rank's heads' share (multi-latent attention's down projections and latent norms, the
+// query and key norms), summed over the tensor group: the depths' too. (MoE under tensor parallelism needs sequence
+// parallelism, as Megatron.)
+TEST_P(MtpMoeGolden, TwoTensorRanksMatchMegatronsFirstStep) {
+  if (config_.num_experts > 0) GTEST_SKIP() << "MoE with tensor ranks runs with sequence parallelism only";
+  FirstStepAtTwoTensorRanks(false);
 }
 
 TEST_P(MtpMoeGolden, ThreeOptimizerStepsMatchMegatron) {
