@@ -125,11 +125,8 @@ absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& f, Device device) {
         "--multi-latent-attention with --context-parallel-size {}: ptk's multi-latent attention runs with data, "
         "tensor (and sequence) and pipeline parallelism only for now",
         f.context_parallel_size));
-  if (f.tensor_model_parallel_size > 1 && f.mtp.num_layers.value_or(0) > 0)
-    return UsageError(fmt::format(
-        "--multi-latent-attention with --mtp-num-layers {} and --tensor-model-parallel-size {}: ptk's multi-token "
-        "prediction depths run multi-latent attention on one tensor rank only for now",
-        *f.mtp.num_layers, f.tensor_model_parallel_size));
+  // --mtp-num-layers with tensor ranks runs: the depths' MLA layers are tensor-parallel layers as the decoder's
+  // (mtp_parallel_cli_test; mtp_moe_golden_test at two sequence-parallel ranks).
   if (device != Device::kCpu)
     return UsageError(
         "--multi-latent-attention on --device cuda: the CUDA backend has no multi-latent attention yet; train on the "

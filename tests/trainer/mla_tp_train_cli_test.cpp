@@ -160,10 +160,7 @@ TEST_F(MlaTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --tensor-model-parallel-size 2 --context-parallel-size 2",
        "usage error: --multi-latent-attention with --context-parallel-size 2: ptk's multi-latent attention runs"},
-      {" --tensor-model-parallel-size 2 --mtp-num-layers 1",
-       "usage error: --multi-latent-attention with --mtp-num-layers 1 and --tensor-model-parallel-size 2: ptk's"},
-      {" --tensor-model-parallel-size 2 --mtp-num-layers 1 --dry-run",
-       "usage error: --multi-latent-attention with --mtp-num-layers 1 and --tensor-model-parallel-size 2"},
+      // --mtp-num-layers with tensor ranks runs (mtp_parallel_cli_test's DeepSeekLikeMlaAndMoe...).
       {" --tensor-model-parallel-size 3",
        "usage error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"},
       {" --tensor-model-parallel-size 2 --device cuda", "usage error: --multi-latent-attention on --device cuda"},

@@ -139,6 +139,22 @@ TEST_F(MtpParallelCli, DeepSeekLikeMoeWithTwoTensorRanksAndSequenceParallelTrain
   }
 }
 
+// DeepSeek-V3's attention too: multi-latent attention (its down projections whole on every rank) in the decoder's
+// and the depths' MoE layers, with and without sequence parallelism (--qk-layernorm: the latent norms, as DeepSeek's
+// recipes).
+TEST_F(MtpParallelCli, DeepSeekLikeMlaAndMoeWithTwoTensorRanksTrainAsOneRankDoes) {
+  const std::string mla =
+      std::string(kDeepSeekLikeMoe) +
+      " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8"
+      " --qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2 --sequence-parallel", mla));
+  // Dense layers without sequence parallelism (Megatron's MoE under tensor parallelism needs it).
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(
+      2, "--tensor-model-parallel-size 2",
+      " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
+      " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope"));
+}
+
 // A stopped T = 2 sequence-parallel run resumes bit for bit; its checkpoint (the depths' tensors resharded as the
 // decoder's: eh_proj's rows put together) loads at T = 1 and continues as one rank's uninterrupted run within 1e-5.
 TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelResumeBitForBitAndLoadAtOneRank) {
