@@ -120,11 +120,8 @@ absl::Status ResolveMlaFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& f, Device device) {
   if (!f.mla.on) return absl::OkStatus();
-  if (f.tensor_model_parallel_size > 1 && f.mtp.num_layers.value_or(0) > 0)
-    return UsageError(fmt::format(
-        "--multi-latent-attention with --mtp-num-layers {} and --tensor-model-parallel-size {}: ptk's multi-token "
-        "prediction depths run multi-latent attention on one tensor rank only for now",
-        *f.mtp.num_layers, f.tensor_model_parallel_size));
+  // --context-parallel-size and --mtp-num-layers with tensor ranks run (mla_cp_train_cli_test; mtp_parallel_cli_test,
+  // mtp_moe_golden_test at two sequence-parallel ranks).
   if (device != Device::kCpu)
     return UsageError(
         "--multi-latent-attention on --device cuda: the CUDA backend has no multi-latent attention yet; train on the "

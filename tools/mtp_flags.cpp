@@ -49,8 +49,9 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   auto refuse = [](const std::string& what, const std::string& why) {
     return UsageError(fmt::format("--mtp-num-layers with {}: {}", what, why));
   };
-  // Tensor parallelism (eh_proj column-parallel, the depth's layer a tensor-parallel layer) and pipeline
-  // parallelism (the depths on the last stage beside a copy of the word embeddings) run.
+  // Tensor parallelism (eh_proj column-parallel, the depth's layer a tensor-parallel layer; with sequence
+  // parallelism the depths' positions split over the tensor ranks as the decoder's) and pipeline parallelism (the
+  // depths on the last stage beside a copy of the word embeddings) run.
   if (f.pipeline_model_parallel_size > 1 && f.position_embedding_type == "learned_absolute")
     return refuse(fmt::format("--pipeline-model-parallel-size {} and learned absolute position embeddings",
                               f.pipeline_model_parallel_size),
@@ -63,9 +64,6 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
     return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size),
                   "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "
                   "exchange)");
-  if (f.options.backend.sequence_parallel)
-    return refuse("--sequence-parallel",
-                  "ptk does not yet gather and scatter the depths' positions over the tensor ranks");
   const std::string cpu_dp = "ptk's multi-token prediction runs on the CPU without it for now";
   // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
   if (f.moe.expert_parallel > 1)

@@ -2,6 +2,7 @@
 #include "trainer/grad_buckets.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "trainer/param_layout.h"
 
@@ -65,7 +66,11 @@ std::vector<GradRange> NonTensorParallelGradRanges(const ParamLayout& layout, bo
   };
   const GPTConfig& cf = layout.config;
   const int64_t c = cf.hidden_size, qr = cf.q_lora_rank, kvr = cf.kv_lora_rank;
-  for (const LayerParams& lp : layout.layers) {
+  std::vector<const LayerParams*> layers;  // the decoder's, then the multi-token prediction depths' (registered after)
+  for (const LayerParams& lp : layout.layers) layers.push_back(&lp);
+  for (const MtpLayerParams& mp : layout.mtp) layers.push_back(&mp.layer);
+  for (const LayerParams* l : layers) {
+    const LayerParams& lp = *l;
     for (int64_t at : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b}) add(at, cf.head_dim());
     // Multi-latent attention's down projections and latent norms, whole on every rank: each rank's gradient is its
     // heads' share (the path through its up projections' rows and its heads' use of the shared rotary key).

@@ -46,7 +46,8 @@ std::vector<GradRange> SequenceParallelGradRanges(const ParamLayout& layout);
 // its one all-reduce: under --sequence-parallel SequenceParallelGradRanges (the query and key norms
 // among them), else with --qk-layernorm the query and key norms' weights and biases (whole on every
 // tensor rank, each rank's gradient its heads' share), and multi-latent attention's down projections
-// and latent norms (whole on every rank, each rank's gradient its heads' share). None at tensor size 1.
+// and latent norms (whole on every rank, each rank's gradient its heads' share), the decoder's layers' and the
+// multi-token prediction depths'. None at tensor size 1.
 std::vector<GradRange> NonTensorParallelGradRanges(const ParamLayout& layout, bool sequence_parallel);
 
 // Megatron's default --ddp-bucket-size: max(40M, 1M x data-parallel size) elements.

@@ -36,7 +36,8 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   m.activations = static_cast<double>(m.activation_slots) *
                   (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
   // Multi-token prediction's depths, on the stage that holds them (the last).
-  m.activations += 4.0 * static_cast<double>(CpuGPTModel::PlanMtpActivationFloats(layout, micro_batch_size));
+  m.activations +=
+      4.0 * static_cast<double>(CpuGPTModel::PlanMtpActivationFloats(layout, micro_batch_size, sequence_parallel));
   if (checkpoints) m.checkpoint_copies = 12 * n;
   // Attention's buffers (attention_rows_cpu.cpp; attention_cpu.cpp runs it with every position a query row), one
   // set per thread that runs a task: backward's tasks are the (sequence, query group) pairs, each thread holding

@@ -236,5 +236,29 @@ TEST(GradBuckets, BucketsMustTileTheBufferAndFinishNeedsAStart) {
   EXPECT_TRUE(absl::IsFailedPrecondition((*model)->FinishGradReduction()));
 }
 
+// Without sequence parallelism the tensor group sums the gradients each rank holds its heads' share of: with
+// --qk-layernorm the query and key norms, the multi-token prediction depths' as the decoder's (each rank's share,
+// one rank's sum of all heads otherwise).
+TEST(GradBuckets, TheTensorGroupSumsTheDepthsQueryAndKeyNormsToo) {
+  GPTConfig c = Config(false);
+  c.qk_layernorm = true;
+  c.mtp_num_layers = 2;
+  auto layout = ParamLayout::Create(c, /*tensor_size=*/2, 0);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const std::vector<GradRange> ranges = NonTensorParallelGradRanges(*layout, false);
+  auto summed = [&](int64_t at) {
+    for (const GradRange& r : ranges)
+      if (r.begin <= at && at < r.end) return true;
+    return false;
+  };
+  EXPECT_TRUE(summed(layout->layers[2].q_norm_w));
+  for (const MtpLayerParams& mp : layout->mtp) {
+    EXPECT_TRUE(summed(mp.layer.q_norm_w));
+    EXPECT_TRUE(summed(mp.layer.k_norm_w));
+    EXPECT_FALSE(summed(mp.eh_proj));
+    EXPECT_FALSE(summed(mp.enorm_w));  // whole on every rank, the same gradient on each without the sum
+  }
+}
+
 }  // namespace
 }  // namespace ptk

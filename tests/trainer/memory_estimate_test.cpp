@@ -111,6 +111,24 @@ TEST(MemoryEstimate, MultiTokenPredictionCountsTheDepthsOnTheLastStage) {
   EXPECT_EQ(mb->params, layout->num_params);
 }
 
+// Under sequence parallelism a tensor rank's depths hold its t / T positions of their norms and layer (and the
+// whole-sequence buffers of eh_proj's gather): the estimate counts the depths as a sequence-parallel run makes them.
+TEST(MemoryEstimate, MultiTokenPredictionUnderSequenceParallelismCountsTheSequenceParallelDepths) {
+  GPTConfig c = testing::SmallGpt(3, 32, 4, 16, 97, 98);  // the padded vocabulary split over the two ranks
+  c.position_embedding = PositionEmbedding::kRope;
+  GPTConfig mtp = c;
+  mtp.mtp_num_layers = 2;
+  const PipelineStage one;
+  auto plain = EstimateCpuTrainingMemory(c, 2, 1, true, one, 2, 8, false);
+  auto with = EstimateCpuTrainingMemory(mtp, 2, 1, true, one, 2, 8, false);
+  ASSERT_TRUE(plain.ok() && with.ok()) << plain.status() << with.status();
+  auto layout = ParamLayout::Create(mtp, 2, 1, one);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const int64_t sp = CpuGPTModel::PlanMtpActivationFloats(*layout, 2, true);
+  EXPECT_NE(sp, CpuGPTModel::PlanMtpActivationFloats(*layout, 2, false));
+  EXPECT_EQ(with->activations, plain->activations + 4.0 * static_cast<double>(sp));
+}
+
 // With model chunks, Megatron's interleaved warm-up plus one, (P - p - 1) x 2 + (V - 1) x N + 1 virtual
 // micro-batches: N the micro-batch group (--microbatch-group-size-per-virtual-pipeline-stage, by
 // default P), at most V x M.

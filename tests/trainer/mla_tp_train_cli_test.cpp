@@ -158,10 +158,8 @@ TEST_F(MlaTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
                            " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
                            testing::SmallVocabFlags() + kLora;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {" --tensor-model-parallel-size 2 --mtp-num-layers 1",
-       "usage error: --multi-latent-attention with --mtp-num-layers 1 and --tensor-model-parallel-size 2: ptk's"},
-      {" --tensor-model-parallel-size 2 --mtp-num-layers 1 --dry-run",
-       "usage error: --multi-latent-attention with --mtp-num-layers 1 and --tensor-model-parallel-size 2"},
+      // --context-parallel-size (mla_cp_train_cli_test) and --mtp-num-layers with tensor ranks
+      // (mtp_parallel_cli_test's DeepSeekLikeMlaAndMoe...) run.
       {" --tensor-model-parallel-size 3",
        "usage error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"},
       {" --tensor-model-parallel-size 2 --device cuda", "usage error: --multi-latent-attention on --device cuda"},

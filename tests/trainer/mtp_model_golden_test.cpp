@@ -4,16 +4,19 @@
 // --calculate-per-token-loss with a quarter of the tokens masked. The layout (Megatron's names and shapes of the
 // mtp.layers.K tensors), the first step's lm loss, grad norm, mtp_K losses and every gradient within 1e-5 relative
 // (fp32 sums in another order: the dense goldens' bound), and three optimizer steps' losses and weights (1e-4, as
-// the other megatron-core goldens: Adam's first steps amplify the last bits).
+// the other megatron-core goldens: Adam's first steps amplify the last bits). The first step also at two tensor
+// ranks with sequence parallelism, against the same numbers.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/golden_util.h"
 #include "tests/trainer/small_gpt.h"
 #include "trainer/backend.h"
@@ -100,6 +103,49 @@ TEST_P(MtpGolden, TheFirstStepsGradientsMatchMegatron) {
   }
   std::printf("loss %.9g (megatron %.9g), mtp_1 loss %.9g (megatron %.9g), largest gradient difference %.3g\n",
               r->lm_loss(), Want(0, "lm_loss"), r->mtp_losses[0], WantMtp(0, 0), worst);
+}
+
+// Two tensor ranks with sequence parallelism (gloo ranks as threads, each its slices of megatron-core's initial
+// weights): megatron-core's first step within the same 1e-5 (its own numbers at one rank; a tensor-parallel run's
+// differ from them by fp32 sums in another order only), every gradient gathered from the ranks' slices after the
+// training step's sum of the sequence-parallel partial gradients over the tensor group.
+TEST_P(MtpGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) {
+  auto whole = ParamLayout::Create(config_);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const std::vector<float> init = g_.InitWeights(*whole);
+  std::vector<float> grads(static_cast<size_t>(whole->num_params), 0.0f);
+  std::vector<StepResult> results(2);
+  std::mutex mu;
+  testing::RunRanks(2, [&](Communicator* tensor, int rank) {
+    auto model = CpuGPTModel::Create(config_, tensor, /*sequence_parallel=*/true);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<float> mine(static_cast<size_t>((*model)->num_params()));
+    CopyToShard((*model)->layout(), init, mine);
+    ASSERT_TRUE((*model)->WriteParams(mine).ok());
+    auto data = MakeLocalCommunicator();  // one data-parallel rank
+    TrainStep step(model->get(), Optimizer(), g_.ConstantSchedule(), data.get());
+    auto r = step.ComputeGradients(batches_.Step(0), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const float* g = (*model)->grads();
+    std::lock_guard<std::mutex> lock(mu);
+    results[static_cast<size_t>(rank)] = *r;
+    CopyFromShard((*model)->layout(), std::vector<float>(g, g + (*model)->num_params()), grads);
+  });
+  for (const StepResult& r : results) {
+    EXPECT_LE(std::abs(r.lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
+    EXPECT_LE(std::abs(r.grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
+    ASSERT_EQ(static_cast<int64_t>(r.mtp_losses.size()), config_.mtp_num_layers);
+    for (int64_t k = 0; k < config_.mtp_num_layers; ++k)
+      EXPECT_LE(std::abs(r.mtp_losses[k] - WantMtp(0, k)) / WantMtp(0, k), 1e-5) << "mtp_" << k + 1;
+  }
+  double worst = 0;
+  for (const ParamInfo& p : whole->infos) {
+    const double e = RelError(grads.data() + p.offset, g_.Tensor<float>("grad:" + p.name));
+    EXPECT_LE(e, 1e-5) << p.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("T=2 SP: loss %.9g (megatron %.9g), mtp_1 loss %.9g (megatron %.9g), largest gradient difference %.3g\n",
+              results[0].lm_loss(), Want(0, "lm_loss"), results[0].mtp_losses[0], WantMtp(0, 0), worst);
 }
 
 // Without the depths' loss in the gradient (factor 0) the decoder's gradients differ from Megatron's: the

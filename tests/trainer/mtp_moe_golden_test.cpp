@@ -12,10 +12,11 @@
 // MoE layers plus the depths, as Megatron-LM) and every gradient within 1e-5 relative (fp32 sums in another order:
 // the MoE and MLA goldens' bound), and three optimizer steps' losses, expert biases (bit for bit: sign steps of
 // fp32 counts) and weights within 1e-4 (as the other megatron-core goldens: Adam's first steps amplify the last
-// bits).
+// bits). The first step also at two tensor ranks with sequence parallelism, against the same numbers.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/golden_util.h"
 #include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -102,6 +104,9 @@ class MtpMoeGolden : public ::testing::TestWithParam<std::string> {
   double Want(int64_t step, const char* key) { return g_.meta["steps"].at(step)[key].get_double(); }
   double WantMtp(int64_t step, int64_t k) { return g_.meta["steps"].at(step)["mtp_losses"].at(k).get_double(); }
 
+  // The first step at two tensor ranks (`sp`: with sequence parallelism) against megatron-core's numbers.
+  void FirstStepAtTwoTensorRanks(bool sp);
+
   Golden g_{GetParam()};
   GoldenBatches batches_{g_};
   GPTConfig config_;
@@ -168,6 +173,62 @@ TEST_P(MtpMoeGolden, TheFirstStepsGradientsMatchMegatron) {
       "difference %.3g\n",
       GetParam().c_str(), r->lm_loss(), Want(0, "lm_loss"), r->mtp_losses[0], WantMtp(0, 0), r->load_balancing_loss,
       Want(0, "load_balancing_loss"), worst);
+}
+
+// Two tensor ranks, with sequence parallelism and without (gloo ranks as threads, each its slices of megatron-core's
+// initial weights; Megatron runs MoE under tensor parallelism with sequence parallelism only): megatron-core's first
+// step within the same bounds, every gradient gathered from the ranks' slices after the training step's sum of the
+// sequence-parallel partial gradients over the tensor group.
+void MtpMoeGolden::FirstStepAtTwoTensorRanks(bool sp) {
+  auto whole = ParamLayout::Create(config_);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const std::vector<float> init = g_.InitWeights(*whole);
+  std::vector<float> grads(static_cast<size_t>(whole->num_params), 0.0f);
+  std::vector<StepResult> results(2);
+  std::mutex mu;
+  testing::RunRanks(2, [&](Communicator* tensor, int rank) {
+    auto model = CpuGPTModel::Create(config_, tensor, sp);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<float> mine(static_cast<size_t>((*model)->num_params()));
+    CopyToShard((*model)->layout(), init, mine);
+    ASSERT_TRUE((*model)->WriteParams(mine).ok());
+    auto data = MakeLocalCommunicator();  // one data-parallel rank
+    TrainStep step(model->get(), g_.Optimizer(), g_.ConstantSchedule(), data.get());
+    auto r = step.ComputeGradients(batches_.Step(0), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const float* g = (*model)->grads();
+    std::lock_guard<std::mutex> lock(mu);
+    results[static_cast<size_t>(rank)] = *r;
+    CopyFromShard((*model)->layout(), std::vector<float>(g, g + (*model)->num_params()), grads);
+  });
+  for (const StepResult& r : results) {
+    EXPECT_LE(std::abs(r.lm_loss() - Want(0, "lm_loss")) / Want(0, "lm_loss"), 1e-5);
+    EXPECT_LE(std::abs(r.grad_norm - Want(0, "grad_norm")) / Want(0, "grad_norm"), 1e-5);
+    EXPECT_LE(std::abs(r.load_balancing_loss - Want(0, "load_balancing_loss")), 1e-5);
+    ASSERT_EQ(static_cast<int64_t>(r.mtp_losses.size()), config_.mtp_num_layers);
+    for (int64_t k = 0; k < config_.mtp_num_layers; ++k)
+      EXPECT_LE(std::abs(r.mtp_losses[k] - WantMtp(0, k)) / WantMtp(0, k), 1e-5) << "mtp_" << k + 1;
+  }
+  double worst = 0;
+  for (const ParamInfo& p : whole->infos) {
+    const double e = RelError(grads.data() + p.offset, g_.Tensor<float>("grad:" + p.name));
+    EXPECT_LE(e, 1e-5) << p.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("%s at T=2%s: loss %.9g (megatron %.9g), mtp_1 %.9g (%.9g), largest gradient difference %.3g\n",
+              GetParam().c_str(), sp ? " SP" : "", results[0].lm_loss(), Want(0, "lm_loss"), results[0].mtp_losses[0],
+              WantMtp(0, 0), worst);
+}
+
+TEST_P(MtpMoeGolden, TwoSequenceParallelTensorRanksMatchMegatronsFirstStep) { FirstStepAtTwoTensorRanks(true); }
+
+// Without sequence parallelism the layers every rank holds whole get the same gradient on every rank, but for the
+// tensors whose gradient is each rank's heads' share (multi-latent attention's down projections and latent norms, the
+// query and key norms), summed over the tensor group: the depths' too. (MoE under tensor parallelism needs sequence
+// parallelism, as Megatron.)
+TEST_P(MtpMoeGolden, TwoTensorRanksMatchMegatronsFirstStep) {
+  if (config_.num_experts > 0) GTEST_SKIP() << "MoE with tensor ranks runs with sequence parallelism only";
+  FirstStepAtTwoTensorRanks(false);
 }
 
 TEST_P(MtpMoeGolden, ThreeOptimizerStepsMatchMegatron) {

@@ -5,7 +5,8 @@
 // depth's mtp_K loss within 1e-5 relative over 6 iterations (the only difference is fp32 sums over the ranks in
 // another order: one rank's products split into partial sums, the vocabulary's softmax over two slices). A run
 // stopped and resumed at the same size continues bit for bit (dropout on), the depths' tensors in the last stage's
-// mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01.
+// mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01. With
+// --sequence-parallel (dense and DeepSeek-like MoE, one or two depths) likewise, and its checkpoint loads at T = 1.
 #include <cmath>
 #include <filesystem>
 #include <regex>
@@ -55,9 +56,9 @@ class MtpParallelCli : public testing::RanksTest {
            testing::SmallVocabFlags() +
            " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --position-embedding-type rope --mtp-num-layers 2 --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + " " + extra;
+           " --position-embedding-type rope --mtp-num-layers " +
+           std::to_string(depths_) + " --data-path " + ShellQuote(prefix_) + " --data-cache-path " +
+           ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
   }
   // `world` ranks of `parallel` against one rank: every log line's lm and mtp_K losses.
   void TrainsAsOneRank(int world, const std::string& parallel, const std::string& extra = "") {
@@ -68,7 +69,7 @@ class MtpParallelCli : public testing::RanksTest {
     const auto want = LineLosses(one.output), got = LineLosses(r.output);
     ASSERT_EQ(want.size(), 6u) << one.output;
     ASSERT_EQ(got.size(), 6u) << r.output;
-    for (const auto& v : got) ASSERT_EQ(v.size(), 3u) << r.output;  // lm, mtp_1, mtp_2
+    for (const auto& v : got) ASSERT_EQ(v.size(), static_cast<size_t>(depths_ + 1)) << r.output;  // lm, mtp_1, ...
     const double worst = WorstRelative(got, want);
     EXPECT_LT(worst, 1e-5) << parallel << " " << extra;
     std::printf("%s %s: largest relative difference of the lm and mtp losses from one rank's: %.3g\n", parallel.c_str(),
@@ -90,7 +91,7 @@ class MtpParallelCli : public testing::RanksTest {
       EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
     }
     if (!b.empty()) {
-      EXPECT_NE(b[0].find(" mtp_2 loss: "), std::string::npos) << b[0];
+      EXPECT_NE(b[0].find(" mtp_" + std::to_string(depths_) + " loss: "), std::string::npos) << b[0];
     }
     return CheckpointDir(dir_ / "ck", 3);
   }
@@ -99,10 +100,78 @@ class MtpParallelCli : public testing::RanksTest {
     EXPECT_TRUE(h.ok()) << h.status();
     return h.ok() ? *h : std::string();
   }
+  int depths_ = 2;  // --mtp-num-layers
 };
 
 TEST_F(MtpParallelCli, TwoTensorRanksTrainAsOneRankDoes) {
   ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2"));
+}
+
+// Sequence parallelism (megatron-core's MultiTokenPredictionLayer under config.sequence_parallel): each tensor rank
+// holds its t / 2 positions of the depth's embedding, norms and layer; eh_proj gathers [embedding, hidden] over the
+// positions, its output columns are gathered and the positions scattered again. One rank's losses within 1e-5 (as
+// tensor parallelism without it: fp32 sums over the ranks in another order).
+TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelTrainAsOneRankDoesOneOrTwoDepths) {
+  for (int depths : {1, 2}) {
+    depths_ = depths;
+    ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2 --sequence-parallel"));
+  }
+}
+
+// The depths on the last of two pipeline stages, their positions split over its two tensor ranks: the decoder
+// output's gradient each micro-batch's depths leave (this rank's positions) waits for the slot's backward.
+TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelTimesTwoStagesTrainAsOneRankDoes) {
+  ASSERT_NO_FATAL_FAILURE(
+      TrainsAsOneRank(4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel"));
+}
+
+// DeepSeek-V3's shape: MoE layers (Megatron needs sequence parallelism for them under tensor parallelism), the
+// depths' layers MoE too, with shared experts, sigmoid routing with an expert bias and an auxiliary loss.
+const char kDeepSeekLikeMoe[] =
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear "
+    "--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    "--moe-router-bias-update-rate 0.01 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01";
+
+TEST_F(MtpParallelCli, DeepSeekLikeMoeWithTwoTensorRanksAndSequenceParallelTrainsAsOneRankDoes) {
+  for (int depths : {1, 2}) {
+    depths_ = depths;
+    ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2 --sequence-parallel", kDeepSeekLikeMoe));
+  }
+}
+
+// DeepSeek-V3's attention too: multi-latent attention (its down projections whole on every rank) in the decoder's
+// and the depths' MoE layers, with and without sequence parallelism (--qk-layernorm: the latent norms, as DeepSeek's
+// recipes).
+TEST_F(MtpParallelCli, DeepSeekLikeMlaAndMoeWithTwoTensorRanksTrainAsOneRankDoes) {
+  const std::string mla =
+      std::string(kDeepSeekLikeMoe) +
+      " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8"
+      " --qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, "--tensor-model-parallel-size 2 --sequence-parallel", mla));
+  // Dense layers without sequence parallelism (Megatron's MoE under tensor parallelism needs it).
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(
+      2, "--tensor-model-parallel-size 2",
+      " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
+      " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope"));
+}
+
+// A stopped T = 2 sequence-parallel run resumes bit for bit; its checkpoint (the depths' tensors resharded as the
+// decoder's: eh_proj's rows put together) loads at T = 1 and continues as one rank's uninterrupted run within 1e-5.
+TEST_F(MtpParallelCli, TwoTensorRanksWithSequenceParallelResumeBitForBitAndLoadAtOneRank) {
+  const std::string dir =
+      ResumesBitForBit(2, "--tensor-model-parallel-size 2 --sequence-parallel " + std::string(kDeepSeekLikeMoe));
+  EXPECT_NE(Header(dir, "mp_rank_01").find("mtp.layers.1.transformer_layer.mlp.router.expert_bias"), std::string::npos);
+  auto whole = RunCmd(Train(kDeepSeekLikeMoe));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto one = RunCmd(Train(std::string(kDeepSeekLikeMoe) + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = LineLosses(whole.output), got = LineLosses(one.output);
+  ASSERT_EQ(want.size(), 6u) << whole.output;
+  ASSERT_EQ(got.size(), 3u) << one.output;
+  for (const auto& v : got) ASSERT_EQ(v.size(), 3u) << one.output;
+  const double worst = WorstRelative(got, std::vector<std::vector<double>>(want.begin() + 3, want.end()));
+  EXPECT_LT(worst, 1e-5);
+  std::printf("T=2 sequence-parallel MTP checkpoint resumed at T=1: largest relative difference %.3g\n", worst);
 }
 
 TEST_F(MtpParallelCli, TwoPipelineStagesTrainAsOneRankDoesTiedOrNot) {

@@ -197,14 +197,14 @@ TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {mtp + " --mtp-standalone", "usage error: --mtp-standalone: multi-token prediction on a pipeline stage"},
       {" --mtp-standalone", "usage error: --mtp-standalone"},
-      // Tensor and pipeline parallelism run (mtp_parallel_cli_test); what they do not run with is refused.
+      // Tensor (with sequence parallelism too) and pipeline parallelism run (mtp_parallel_cli_test); what they do not
+      // run with is refused.
       {mtp + " --pipeline-model-parallel-size 2",
        with + "--pipeline-model-parallel-size 2 and learned absolute position embeddings: Megatron's last stage"},
       {mtp +
            " --position-embedding-type rope --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
        with + "the interleaved pipeline schedule"},
       {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk does not yet roll"},
-      {mtp + " --tensor-model-parallel-size 2 --sequence-parallel", with + "--sequence-parallel"},
       {mtp + " --num-experts 2 --disable-bias-linear --expert-model-parallel-size 2",
        with + "--expert-model-parallel-size 2"},
       {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},

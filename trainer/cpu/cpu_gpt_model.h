@@ -59,8 +59,10 @@ class CpuGPTModel final : public GPTModel {
                                       int context = 1);
   // The multi-token prediction depths' buffers (mtp_cpu.cpp) on a layout that holds them (the last stage's): each
   // depth's one-layer pass and its own vectors, kept once beside the slots (a depth's forward and backward run
-  // together), and the decoder output's kept gradient. 0 without depths.
-  static int64_t PlanMtpActivationFloats(const ParamLayout& layout, int64_t micro_batch_size);
+  // together), and the decoder output's kept gradient (this rank's positions' with `sequence_parallel`). 0 without
+  // depths.
+  static int64_t PlanMtpActivationFloats(const ParamLayout& layout, int64_t micro_batch_size,
+                                         bool sequence_parallel = false);
 
   Device device() const override { return Device::kCpu; }
   Precision precision() const override { return Precision::kFp32; }
@@ -209,8 +211,10 @@ class CpuGPTModel final : public GPTModel {
   const float* MtpSlotGrad(int slot) const;
   // Tensor parallelism: the depth's vocabulary-parallel embedding and column-parallel eh_proj (its output gathered).
   absl::Status MtpEmbed(float* out, const int32_t* tokens, const int32_t* positions, int64_t n);
-  absl::Status MtpProjForward(int64_t k, int64_t n);  // depth k's
-  absl::Status MtpProjBackward(int64_t k, int64_t n);
+  // Under sequence parallelism eh_proj's input gathered over the positions and its output scattered to them.
+  absl::Status MtpProjForward(int64_t k, const ModelBatch& batch);  // depth k's
+  absl::Status MtpProjBackward(int64_t k, const ModelBatch& batch);
+  absl::Status MtpDepthInput(int64_t k, const ModelBatch& bk, double p, uint64_t seed, const float* hin);
   std::shared_ptr<MtpState> mtp_;
   bool mtp_pass_ = false;
   const float* dlnf_extra_ = nullptr;

@@ -173,8 +173,9 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
 
   // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
   // position embeddings of those. A later pipeline stage starts from the previous stage's shard of
-  // the residual stream (this rank's positions), already in resid[0].
-  if (chunk_pre_process()) {
+  // the residual stream (this rank's positions), already in resid[0], as does a multi-token prediction depth
+  // (mtp_cpu.cpp: eh_proj's output, this rank's positions).
+  if (chunk_pre_process() && !mtp_pass_) {
     cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
     float* x = a.resid[0].data();
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
@@ -268,6 +269,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
                         P + layout_.out_w, n, c, vp);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
+    for (int64_t i = 0; dlnf_extra_ && i < nl * c; ++i) loc[i] += dlnf_extra_[i];  // multi-token prediction's
     std::fill(dresid, dresid + nl * c, 0.0f);
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, layout_.lnf_w, layout_.lnf_b, loc, a.resid[Ls].data(),
                                               a.lnf_mean.data(), a.lnf_rstd.data(), nl));
@@ -322,8 +324,9 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
                                               a.ln1_rstd[l].data(), nl));
     GradsReady(static_cast<size_t>(stage_layers() - l));
   }
-  // A later pipeline stage leaves its input's gradient (this rank's rows) in dresid, for the previous stage.
-  if (chunk_pre_process()) {
+  // A later pipeline stage leaves its input's gradient (this rank's rows) in dresid, for the previous stage (a
+  // multi-token prediction depth for its eh_proj).
+  if (chunk_pre_process() && !mtp_pass_) {
     DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
     PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
     cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens,
