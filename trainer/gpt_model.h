@@ -240,15 +240,16 @@ class GPTModel {
   // two ranks may add an element in another order than a range of its own would.
   virtual absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges);
   // Sums the gradients of NonTensorParallelGradRanges (under --sequence-parallel each tensor rank's
-  // positions' share, with --qk-layernorm the query and key norms' share of this rank's heads: what
-  // backward leaves) over the tensor group in one all-reduce (AllReduceGradRanges), as Megatron's
-  // _allreduce_non_tensor_model_parallel_grads flattens them into one buffer: TrainStep calls it
-  // once per step, after the data-parallel reduction. Under ZeRO-1 the whole ranges are summed, as
-  // Megatron does, though only this rank's shard of them holds data-parallel sums (its tensor peers
-  // cut the same shard). Nothing to do without either (sums_non_tensor_parallel_grads()).
+  // positions' share, with --qk-layernorm the query and key norms' share of this rank's heads, with
+  // multi-latent attention its down projections' and latent norms' share: what backward leaves) over the tensor group
+  // in one all-reduce (AllReduceGradRanges), as Megatron's _allreduce_non_tensor_model_parallel_grads flattens them
+  // into one buffer: TrainStep calls it once per step, after the data-parallel reduction. Under ZeRO-1 the whole ranges
+  // are summed, as Megatron does, though only this rank's shard of them holds data-parallel sums (its tensor peers cut
+  // the same shard). Nothing to do without any of them (sums_non_tensor_parallel_grads()).
   absl::Status SumNonTensorParallelGrads();
   bool sums_non_tensor_parallel_grads() const {
-    return tensor_comm_ != nullptr && tensor_size() > 1 && (sequence_parallel_ || config().qk_layernorm);
+    return tensor_comm_ != nullptr && tensor_size() > 1 &&
+           (sequence_parallel_ || config().qk_layernorm || config().mla());
   }
   // ZeRO-1: each rank's reduced piece of the gradients [begin, begin + n) (its shard's part, as
   // ReduceScatterGrads left it) to every rank of `comm`, so that the range holds the data-parallel

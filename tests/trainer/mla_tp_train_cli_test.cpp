@@ -27,6 +27,11 @@ using testing::ShellQuote;
 constexpr char kLora[] =
     " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
     " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+// kLora without --qk-layernorm: the down projections' gradients are summed over the tensor ranks all the same (they
+// were not without --sequence-parallel: T = 2 drifted from one rank's losses by 9e-6 relative in 6 iterations).
+constexpr char kLoraNoNorms[] =
+    " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
+    " --v-head-dim 6 --normalization RMSNorm --rope-type rope";
 constexpr char kNoLora[] =
     " --multi-latent-attention --kv-lora-rank 10 --qk-head-dim 6 --qk-pos-emb-head-dim 4 --v-head-dim 8"
     " --qk-layernorm --rope-type yarn --rotary-scaling-factor 2 --mscale-all-dim 1";
@@ -72,8 +77,9 @@ class MlaTensorParallelCli : public testing::RanksTest {
 };
 
 TEST_F(MlaTensorParallelCli, TwoTensorRanksGiveOneRanksLossesAndWeights) {
-  for (const auto& [what, model] :
-       {std::pair{"q LoRA, RMSNorm, RoPE", kLora}, {"no q LoRA, LayerNorm, YaRN", kNoLora}}) {
+  for (const auto& [what, model] : {std::pair{"q LoRA, RMSNorm, RoPE", kLora},
+                                    {"no q LoRA, LayerNorm, YaRN", kNoLora},
+                                    {"q LoRA without latent norms", kLoraNoNorms}}) {
     SCOPED_TRACE(what);
     const std::string one_dir = dir_ / "one";
     auto one = RunCmd(Train(1, std::string(model) + " --save " + ShellQuote(one_dir)));
@@ -84,7 +90,7 @@ TEST_F(MlaTensorParallelCli, TwoTensorRanksGiveOneRanksLossesAndWeights) {
       const std::string label = std::string(what) + ", T=2" + sp, tp_dir = dir_ / "tp";
       std::string out;
       ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, model + std::string(sp) + " --save " + ShellQuote(tp_dir)),
-                                              ref, 6, 1e-5, label, &out));
+                                              ref, 6, model == kLoraNoNorms ? 2e-6 : 1e-5, label, &out));
       EXPECT_NE(out.find("> initialized tensor model parallel with size 2"), std::string::npos) << out;
       if (model != kLora) continue;
       const std::vector<float> a = Weights(one_dir, 6), b = Weights(tp_dir, 6);
