@@ -2,6 +2,7 @@
 // exit codes 0 ok / 1 failure / 2 usage, one clear error line.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -167,8 +168,9 @@ inline constexpr double kMaxSeconds = 1e9;      // a duration flag's most (31 ye
 // --lock-wait SECONDS, on every tool that writes under an output's lock (OutputLock): how long a run keeps
 // trying for an output another run is writing before it fails (a line every 10 s naming the output and the
 // holder); 0, the default, fails at once. A node that died holding the lock on NFS keeps it for the server's
-// lease (~90 s): a requeued task waits that out. Given, it sets SetOutputLockWait for the process.
-CLI::Option* AddLockWait(CLI::App& app);
+// lease (~90 s): a requeued task waits that out. Given, it sets *wait (the tool's options carry it to the
+// library call that takes the lock: OutputLock::Acquire's `wait`); nothing process-wide.
+CLI::Option* AddLockWait(CLI::App& app, std::chrono::milliseconds* wait);
 const CLI::Validator& Positive();     // a finite number > 0
 const CLI::Validator& NonNegative();  // a finite number >= 0
 

@@ -12,7 +12,6 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/output_lock.h"
 #include "common/status.h"
 
 namespace ptk::cli {
@@ -116,12 +115,12 @@ const CLI::Validator& NonNegative() {
   return v;
 }
 
-CLI::Option* AddLockWait(CLI::App& app) {
+CLI::Option* AddLockWait(CLI::App& app, std::chrono::milliseconds* wait) {
   return app
       .add_option_function<double>(
           "--lock-wait",
-          [](double seconds) {
-            SetOutputLockWait(std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000))));
+          [wait](double seconds) {
+            *wait = std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
           },
           "Seconds to keep trying for an output another run is writing (its .ptk-lock held), a line every 10 s "
           "naming the holder, before failing (default 0: fail at once). On NFS a dead node's lock lasts the "

@@ -72,8 +72,6 @@ std::set<std::string>& LiveLocks() {
 // would outlive the process, so Acquire creates none.
 bool dying = false;
 
-std::atomic<int64_t> lock_wait_ms{0};  // SetOutputLockWait's
-
 // The name of the holder of the lock `fd` could not take, once it wrote it. The holder writes its name just
 // after it locks: wait for it, up to 30 s (a loaded machine can keep a process off the CPU, or its ftruncate
 // and pwrite behind the file system, for seconds: with 2 s the run was refused naming no holder). A holder
@@ -97,11 +95,6 @@ std::string SecondsWords(int64_t ms) { return fmt::format("{:g} s", static_cast<
 
 }  // namespace
 
-void SetOutputLockWait(std::chrono::milliseconds wait) {
-  lock_wait_ms = std::max<int64_t>(0, static_cast<int64_t>(wait.count()));
-}
-std::chrono::milliseconds OutputLockWait() { return std::chrono::milliseconds(lock_wait_ms.load()); }
-
 void RemoveLiveLocks() {
   std::lock_guard<std::mutex> g(LiveMutex());
   for (const std::string& p : LiveLocks()) ::unlink(p.c_str());
@@ -109,10 +102,11 @@ void RemoveLiveLocks() {
   dying = true;
 }
 
-absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target) {
+absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target,
+                                                                std::chrono::milliseconds wait) {
   const std::string path = target + kSuffix;
   // --lock-wait: a held output is tried again until the wait is over, a line every 10 s saying so.
-  const int64_t wait_ms = lock_wait_ms.load();
+  const int64_t wait_ms = std::max<int64_t>(0, static_cast<int64_t>(wait.count()));
   const auto start = std::chrono::steady_clock::now();
   auto next_line = start;
   for (int attempt = 0; attempt < 64;) {

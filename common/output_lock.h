@@ -23,10 +23,13 @@ class OutputLock {
  public:
   static constexpr const char* kSuffix = ".ptk-lock";
   // Takes the lock for `target`. When another process (or another writer in this process) holds
-  // it, fails with an Aborted status naming the holder (program, pid, host, start time): at once, or,
-  // with SetOutputLockWait's wait, after trying again until the wait is over (a line every 10 s naming
-  // the output and the holder; the failure says how long it waited).
-  static absl::StatusOr<std::unique_ptr<OutputLock>> Acquire(const std::string& target);
+  // it, fails with an Aborted status naming the holder (program, pid, host, start time): at once (`wait`
+  // 0, the default), or after trying again until `wait` is over (a line every 10 s naming the output and
+  // the holder; the failure says how long it waited). A tool's --lock-wait (cli::AddLockWait) gives
+  // `wait`, carried in its options to the call: a node that died holding a lock on NFS keeps it until
+  // the server's lease ends (~90 s), and a requeued task waits it out.
+  static absl::StatusOr<std::unique_ptr<OutputLock>> Acquire(
+      const std::string& target, std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   // Releases the lock and removes the lock file.
   ~OutputLock();
   OutputLock(const OutputLock&) = delete;
@@ -46,12 +49,6 @@ class OutputLock {
 // `OUT.ptk-lock` naming a dead holder (it blocks nothing, but reads as a run in progress). The locks
 // themselves go with the process. Any thread may call it; a signal handler may not.
 void RemoveLiveLocks();
-
-// How long OutputLock::Acquire keeps trying for an output another run holds before it fails: 0 (the
-// default) fails at once. For the whole process: a tool's --lock-wait (cli::AddLockWait). A node that died
-// holding a lock on NFS keeps it until the server's lease ends (~90 s): a requeued task waits it out.
-void SetOutputLockWait(std::chrono::milliseconds wait);
-std::chrono::milliseconds OutputLockWait();
 
 // True for the status Acquire returns when another run holds the lock.
 bool IsOutputBusy(const absl::Status& status);

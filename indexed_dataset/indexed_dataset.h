@@ -3,6 +3,7 @@
 // megatron/core/datasets/indexed_dataset.py (IndexedDatasetBuilder / IndexedDataset).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -86,13 +87,16 @@ struct BuilderCheckpoint {
 
 class IndexedDatasetBuilder {
  public:
-  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(const std::string& prefix, DType dtype,
-                                                                       bool multimodal = false);
+  // `lock_wait`: how long to keep trying for PREFIX's lock while another run holds it (OutputLock::Acquire).
+  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(
+      const std::string& prefix, DType dtype, bool multimodal = false,
+      std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
 
   // Continues a builder that a killed process checkpointed (single-modal only). Takes the lock and
   // cleans up like Create, keeping the checkpoint's temporary.
-  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Resume(const std::string& prefix, DType dtype,
-                                                                       const BuilderCheckpoint& checkpoint);
+  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Resume(
+      const std::string& prefix, DType dtype, const BuilderCheckpoint& checkpoint,
+      std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
   // Makes everything added so far durable (flush + fsync of the temporary .bin) and returns what
   // Resume needs to continue from exactly here. With `lengths_from` / `doc_idx_from`, the
   // checkpoint's lengths and doc_idx hold only the entries from those indices on: what a caller

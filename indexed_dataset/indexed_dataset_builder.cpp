@@ -42,8 +42,9 @@ void ConvertTokens(std::span<const int32_t> in, uint8_t* out) {
 namespace {
 // Takes PREFIX's lock, finishes a publish a killed writer left half-done (it was complete), then
 // removes what killed writers left behind (but `keep`): nobody else can be writing PREFIX now.
-absl::StatusOr<std::unique_ptr<OutputLock>> TakePrefix(const std::string& prefix, const std::string& keep) {
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(prefix));
+absl::StatusOr<std::unique_ptr<OutputLock>> TakePrefix(const std::string& prefix, const std::string& keep,
+                                                       std::chrono::milliseconds wait) {
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(prefix, wait));
   PTK_RETURN_IF_ERROR(CompletePendingPublish(PublishJournalPath(prefix)));
   for (const auto& f : {BinPath(prefix), IdxPath(prefix), DoneSidecarPath(prefix), PublishJournalPath(prefix)})
     RemoveStaleTemporaries(f, keep);
@@ -91,21 +92,20 @@ IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bo
   if (bin_->bytes_written() == 0) bin_hash_ = std::make_unique<Xxh3>();
 }
 
-absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Create(const std::string& prefix,
-                                                                                     DType dtype, bool multimodal) {
-  PTK_ASSIGN_OR_RETURN(auto lock, TakePrefix(prefix, ""));
+absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Create(
+    const std::string& prefix, DType dtype, bool multimodal, std::chrono::milliseconds lock_wait) {
+  PTK_ASSIGN_OR_RETURN(auto lock, TakePrefix(prefix, "", lock_wait));
   PTK_ASSIGN_OR_RETURN(auto bin, AtomicFileWriter::Create(BinPath(prefix)));
   return std::unique_ptr<IndexedDatasetBuilder>(
       new IndexedDatasetBuilder(prefix, dtype, multimodal, std::move(lock), std::move(bin)));
 }
 
-absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Resume(const std::string& prefix,
-                                                                                     DType dtype,
-                                                                                     const BuilderCheckpoint& cp) {
+absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Resume(
+    const std::string& prefix, DType dtype, const BuilderCheckpoint& cp, std::chrono::milliseconds lock_wait) {
   if (cp.doc_idx.empty() || cp.doc_idx.front() != 0 || cp.doc_idx.back() > static_cast<int64_t>(cp.lengths.size()) ||
       cp.bin_bytes != static_cast<uint64_t>(cp.tokens) * DTypeSize(dtype) || Dirname(cp.bin_tmp) != Dirname(prefix))
     return absl::DataLossError(fmt::format("{}: the resume record is inconsistent", prefix));
-  PTK_ASSIGN_OR_RETURN(auto lock, TakePrefix(prefix, cp.bin_tmp));
+  PTK_ASSIGN_OR_RETURN(auto lock, TakePrefix(prefix, cp.bin_tmp, lock_wait));
   PTK_ASSIGN_OR_RETURN(auto bin, AtomicFileWriter::Reopen(BinPath(prefix), cp.bin_tmp, cp.bin_bytes));
   std::unique_ptr<IndexedDatasetBuilder> b(
       new IndexedDatasetBuilder(prefix, dtype, /*multimodal=*/false, std::move(lock), std::move(bin)));

@@ -214,7 +214,8 @@ absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
 }
 
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,
-                                         bool multimodal, const std::string& source, bool progress) {
+                                         bool multimodal, const std::string& source, bool progress,
+                                         std::chrono::milliseconds lock_wait) {
   if (inputs.empty()) return absl::InvalidArgumentError("nothing to merge");
   for (const auto& in : inputs)
     if (in == output_prefix || SameFile(BinPath(in), BinPath(output_prefix)) ||
@@ -224,7 +225,8 @@ absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs,
               ? fmt::format("output prefix {} is also an input", output_prefix)
               : fmt::format("output prefix {} is also an input: the same files as {}", output_prefix, in));
   PTK_ASSIGN_OR_RETURN(auto first, IndexedDataset::Open(inputs[0], multimodal));
-  PTK_ASSIGN_OR_RETURN(auto builder, IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal));
+  PTK_ASSIGN_OR_RETURN(auto builder,
+                       IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal, lock_wait));
   first.reset();
   builder->SetSource(source);
   // A merge of a pipeline's chunks copies hundreds of GB: it says how far it is (it was silent until done).

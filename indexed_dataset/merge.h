@@ -1,6 +1,7 @@
 // Merging indexed datasets (tools/merge_datasets.py).
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -40,8 +41,10 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& input_pr
 // is an error naming both. `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
 // `progress`: a progress line (datasets and bytes copied, rate, ETA; ProgressReporter) while the inputs are
 // copied, and from 1 GiB a line before the output's one checksum pass over its .bin.
+// `lock_wait`: how long to keep trying for the output's lock while another run holds it (--lock-wait).
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,
                                          const std::string& output_prefix, bool multimodal = false,
-                                         const std::string& source = "", bool progress = false);
+                                         const std::string& source = "", bool progress = false,
+                                         std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
 
 }  // namespace ptk

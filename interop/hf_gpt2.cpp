@@ -174,7 +174,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::stri
   // into a new directory beside the target, which then takes the target's place (PublishExport).
   PTK_ASSIGN_OR_RETURN(const std::string dir, ExportTarget(o.save_dir));
   PTK_RETURN_IF_ERROR(MakeDirs(Dirname(dir)));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(dir));
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(dir, o.lock_wait));
   PTK_RETURN_IF_ERROR(RecoverExport(dir));
   PTK_RETURN_IF_ERROR(CheckExportTarget(dir, o.force));
   for (const auto& [what, path] : {std::pair<const char*, std::string>{"--load-dir", o.load_dir},
@@ -564,7 +564,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   }
   // As a training run: one writer per --save directory, and what a killed save left put right.
   SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
-  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-train", o.lock_wait));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration, /*with_moments=*/false));
   // The weights and two moments, written, checksummed and synced: minutes for a large model.

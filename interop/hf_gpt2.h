@@ -21,6 +21,7 @@
 // ptk-train --load resumes (the moments still zero: an HF directory holds no optimizer state).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -59,6 +60,8 @@ struct ConvertOptions {
   int64_t target_ddp_bucket_size = 0;
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
+  // How long to keep trying for a --save-dir another run is writing (--lock-wait; OutputLock::Acquire).
+  std::chrono::milliseconds lock_wait{0};
   // ptk -> hf: save_pretrained's max_shard_size ("5GB", "500MB", a byte count): weights above it are
   // written as model-0000K-of-0000N.safetensors shards with model.safetensors.index.json.
   std::string max_shard_size = "5GB";

@@ -557,7 +557,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   AddMlaSettings(c, &state.settings);
   AddMtpSettings(c, &state.settings);
   SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
-  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-train", o.lock_wait));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, s->iteration, /*with_moments=*/true));
   const std::vector<float> zero(s->release ? weights.size() : 0, 0.0f);  // a release's moments: none loaded

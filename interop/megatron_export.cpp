@@ -498,7 +498,7 @@ absl::StatusOr<int64_t> CheckExportTarget(const ConvertOptions& o, const GPTConf
 // exports left swept away, with a note each in `notes`). The directory written.
 absl::StatusOr<std::string> SaveExport(Export& ex, const ConvertOptions& o, std::vector<std::string>* notes) {
   SaveDirectory save_dir;  // locked; a failed export (a full disk) leaves no --save-dir it made
-  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert"));
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert", o.lock_wait));
   PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, notes));
   const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", ex.state.iteration));
   const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());

@@ -40,7 +40,7 @@
 #   CONCAT_CHUNKS 72      CONCAT_PARALLELISM 16    (one pod per chunk)
 #   TOKENIZE_TASKS = CONCAT_CHUNKS                 TOKENIZE_PARALLELISM 16
 #   CPUS_PER_TASK 4       MEMORY_PER_TASK 8Gi      requests of each data pod (its --jobs / --workers)
-#   LOCK_WAIT 180         seconds a data pod waits for an output another pod's lock holds (--lock-wait; a
+#   LOCK_WAIT 180         seconds a data or train pod waits for an output another pod's lock holds (--lock-wait; a
 #                         node that died holding it on NFS keeps it ~90 s); 0: fail at once
 #   BACKOFF_LIMIT_PER_INDEX 3                      reruns of one index before it counts as failed (and
 #                                                  the backoffLimit of the one-pod concat-plan Job)

@@ -24,7 +24,7 @@
 #   TOKENIZE_TASKS = CONCAT_CHUNKS   TOKENIZE_CONCURRENCY 16   TOKENIZE_LOG_INTERVAL 100000   APPEND_EOD 1
 #   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
 #   CPUS_PER_TASK 4       TIME_LIMIT 24:00:00   SBATCH_EXTRA (e.g. "--account=proj --qos=normal")
-#   LOCK_WAIT 180         seconds a data task waits for an output another run's lock holds (--lock-wait): a node
+#   LOCK_WAIT 180         seconds a data or train task waits for an output another run's lock holds (--lock-wait): a node
 #                         that died holding it on NFS keeps it for the server's lease (~90 s); 0: fail at once
 #   TRAIN_PARTITION gpu   TRAIN_NODES 1   TRAIN_TASKS_PER_NODE 1 (ranks)   TRAIN_CPUS_PER_TASK = CPUS_PER_TASK
 #   TRAIN_GPUS_PER_NODE 0 (>0: --gpus-per-node; give TRAIN_TASKS_PER_NODE the same number: a rank per GPU)
@@ -73,7 +73,7 @@ fi
 : "${VOCAB_FILE:=}"
 : "${MERGE_FILE:=}"
 : "${CPUS_PER_TASK:=4}"
-: "${LOCK_WAIT:=180}"   # --lock-wait of the data tools: a requeued task outwaits a dead node's NFS lock
+: "${LOCK_WAIT:=180}"   # --lock-wait of the data tools and ptk-train: a requeued task outwaits a dead node's NFS lock
 : "${TIME_LIMIT:=24:00:00}"
 : "${SBATCH_EXTRA:=}"
 : "${TRAIN_PARTITION:=${PARTITION:-gpu}}"

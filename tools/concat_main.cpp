@@ -20,6 +20,7 @@ struct RunArgs {
   std::optional<int64_t> chunk_index, shard_index, num_shards;
   int jobs = 4;
   bool quiet = false, no_fsync = false;
+  std::chrono::milliseconds lock_wait{0};  // --lock-wait
 };
 
 // `positional`: the positional arguments' name. It differs between the app and its subcommands:
@@ -64,6 +65,7 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
   o.jobs = a.jobs;
   o.durable = !a.no_fsync;
   o.progress = !a.quiet;
+  o.lock_wait = a.lock_wait;
   PTK_ASSIGN_OR_RETURN(ptk::ConcatSummary s, ptk::RunConcat(plan, o));
   ptk::log::Info(
       "{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped, s.failed,
@@ -90,7 +92,7 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(ptk::Dirname(path)));
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(r.output_dir));
   PTK_RETURN_IF_ERROR(ptk::WriteConcatPlan(plan, path));
-  PTK_ASSIGN_OR_RETURN(auto removed, ptk::RemoveChunksNotInPlan(plan));
+  PTK_ASSIGN_OR_RETURN(auto removed, ptk::RemoveChunksNotInPlan(plan, r.lock_wait));
   if (!removed.empty())
     ptk::log::Info("removed {} chunks of an earlier plan that this plan does not have: {}{}", removed.size(),
                    removed.front(), removed.size() > 1 ? fmt::format(" ... {}", removed.back()) : "");
@@ -218,14 +220,14 @@ int main(int argc, char** argv) {
       "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
       "half-written) if the node crashes soon after; what cat gives";
   app->add_flag("--no-fsync", top_run.no_fsync, kNoFsync);
-  ptk::cli::AddLockWait(*app);
+  ptk::cli::AddLockWait(*app, &top.lock_wait);
 
   ptk::ConcatPlanRequest plan_req;
   std::string plan_path;
   auto* plan_cmd = app->add_subcommand("plan", "Write the plan (which inputs form which chunk) and stop");
   AddPlanOptions(plan_cmd, &plan_req, true, "input");
   plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
-  ptk::cli::AddLockWait(*plan_cmd);
+  ptk::cli::AddLockWait(*plan_cmd, &plan_req.lock_wait);
 
   RunArgs run_args;
   auto* run_cmd =
@@ -248,7 +250,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
-  ptk::cli::AddLockWait(*run_cmd);
+  ptk::cli::AddLockWait(*run_cmd, &run_args.lock_wait);
   ListArgs list_args;
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
@@ -272,6 +274,7 @@ int main(int argc, char** argv) {
     if (top.inputs.empty() || top.output_dir.empty())
       return ptk::UsageError("give --input and --output-dir (or use the plan / run subcommands)");
     PTK_ASSIGN_OR_RETURN(auto plan, PlanAndWrite(top, top_run.plan_path));
+    top_run.lock_wait = top.lock_wait;  // the one --lock-wait for both steps
     return Run(plan, top_run);
   });
 }

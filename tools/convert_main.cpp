@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
       ->check(ptk::cli::IntIn(0, int64_t{1} << 50));
   bool quiet = false;
   app->add_flag("--quiet", quiet, "No progress output");
-  ptk::cli::AddLockWait(*app);
+  ptk::cli::AddLockWait(*app, &o.lock_wait);
   CompatFlags compat;
   AddCompatFlags(*app, &compat);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;

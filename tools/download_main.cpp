@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
   app->add_flag("--verify", opt.verify, "Re-hash files already present instead of trusting the done log");
   app->add_flag("--list-only", opt.list_only, "List the repo, save the manifest, download nothing");
   app->add_flag("--quiet", quiet, "No progress output");
-  ptk::cli::AddLockWait(*app);
+  ptk::cli::AddLockWait(*app, &opt.lock_wait);
   // huggingface-cli's --token TOKEN was read as a prefix of --token-file: the token taken for a file name
   // (and printed in the error).
   ptk::cli::Refusals refused(*app);

@@ -144,7 +144,8 @@ int main(int argc, char** argv) {
   app->add_flag("--force", force,
                 "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
   app->add_flag("--quiet", quiet, "No progress output");
-  ptk::cli::AddLockWait(*app);
+  std::chrono::milliseconds lock_wait{0};
+  ptk::cli::AddLockWait(*app, &lock_wait);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
   ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
@@ -182,6 +183,7 @@ int main(int argc, char** argv) {
     opt.verify = verify;
     opt.force = force;
     opt.progress = !quiet;
+    opt.lock_wait = lock_wait;
     PTK_ASSIGN_OR_RETURN(ptk::ExtractSummary s, ptk::RunExtract(opt));
     PrintSummary(opt, s);
     if (verify) VerifyGone(roots, opt.shard, &s);

@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
   app->add_option("--output-prefix", output_prefix, "Output path without .bin/.idx")->required();
   app->add_flag("--multimodal", multimodal, "The datasets carry a per-sequence modes array");
   app->add_flag("--quiet", quiet, "No progress output");
-  ptk::cli::AddLockWait(*app);
+  std::chrono::milliseconds lock_wait{0};
+  ptk::cli::AddLockWait(*app, &lock_wait);
   app->add_flag("--force", force,
                 "Merge again even when the output's .ptk-done sidecar records these inputs (same files, sizes and "
                 "times) and settings");
@@ -89,7 +90,7 @@ int main(int argc, char** argv) {
       ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", documents, tokens);
       return absl::OkStatus();
     }
-    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source, !quiet));
+    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source, !quiet, lock_wait));
     for (const std::string& w : st.warnings) ptk::log::Warning("{}", w);
     ptk::log::Info("merged {} datasets into {}: {} documents, {} sequences, {} tokens", inputs.size(), output_prefix,
                    st.documents, st.sequences, st.tokens);

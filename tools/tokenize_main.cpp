@@ -100,7 +100,7 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
                  "always start over)")
       ->check(ptk::cli::RealIn(0, false, ptk::cli::kMaxSeconds, false));
   app.add_flag("--quiet", f->quiet, "No progress line and no per-interval log lines");
-  ptk::cli::AddLockWait(app);
+  ptk::cli::AddLockWait(app, &f->opt.lock_wait);
   app.add_flag("--force", f->opt.force,
                "Tokenize again even when every output's .ptk-done sidecar records these inputs and settings (a "
                "rerun leaves such outputs as they are)");

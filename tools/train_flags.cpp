@@ -265,7 +265,7 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", o.save, "Checkpoint directory to write");
   app->add_option("--load", o.load, "Checkpoint directory to resume from");
-  ptk::cli::AddLockWait(*app);  // --save's, --tensorboard-dir's and --metrics-file's locks
+  ptk::cli::AddLockWait(*app, &o.lock_wait);  // --save's, --tensorboard-dir's and --metrics-file's locks
   app->add_option("--save-interval,--persistent-save-interval", o.save_interval, "Save every N iterations")
       ->check(IntIn(0, kMaxCount));
   app->add_option("--exit-interval", o.exit_interval, "Save and exit when the iteration is a multiple of N")

@@ -164,6 +164,9 @@ struct TrainOptions {
   // (naming the iteration and which of the two); off, such an iteration is skipped and counted.
   bool check_for_nan_in_loss_and_grad = true;
   std::string metrics_path;  // per-iteration metrics as JSON lines (rank 0)
+  // --lock-wait: how long to keep trying for --save's, --tensorboard-dir's and --metrics-file's locks while
+  // another run holds them (OutputLock::Acquire); 0 fails at once.
+  std::chrono::milliseconds lock_wait{0};
   TensorBoardOptions tensorboard;
   SampleOptions sample;
   std::string args_json;  // the command line, stored in checkpoints

@@ -68,10 +68,10 @@ void MadeOnDisk::Undo() {
   paths_.clear();
 }
 
-absl::Status SaveDirectory::Take(const std::string& dir, const std::string& lock_name) {
+absl::Status SaveDirectory::Take(const std::string& dir, const std::string& lock_name, std::chrono::milliseconds wait) {
   std::lock_guard<std::mutex> lock(mu_);
   PTK_RETURN_IF_ERROR(made_.MakeDirs(dir));
-  PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, lock_name)));
+  PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, lock_name), wait));
   return absl::OkStatus();
 }
 
@@ -116,12 +116,13 @@ int64_t LastMetricsIteration(const std::string& path) {
 
 // --metrics-file, locked for this run; what an earlier run left there said in *note.
 absl::Status OpenMetricsFile(const std::string& path, int64_t iteration, MadeOnDisk* made,
-                             std::unique_ptr<OutputLock>* lock_out, MetricsFile* file, std::string* note) {
+                             std::unique_ptr<OutputLock>* lock_out, MetricsFile* file, std::string* note,
+                             std::chrono::milliseconds lock_wait) {
   std::error_code ec;
   const auto type = std::filesystem::status(path, ec).type();
   if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
     PTK_RETURN_IF_ERROR(made->MakeDirs(Dirname(path)));
-    auto lock = OutputLock::Acquire(path);
+    auto lock = OutputLock::Acquire(path, lock_wait);
     if (IsOutputBusy(lock.status()))
       return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
     PTK_RETURN_IF_ERROR(lock.status());
@@ -191,10 +192,11 @@ std::string RunDirOf(const std::string& dir, const std::string& load) {
 // that resuming it writes there again.
 absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
                                                 const std::string& load, MadeOnDisk* made,
-                                                std::unique_ptr<OutputLock>* lock_out, std::string* note) {
+                                                std::unique_ptr<OutputLock>* lock_out, std::string* note,
+                                                std::chrono::milliseconds lock_wait) {
   PTK_RETURN_IF_ERROR(made->MakeDirs(dir));
   const std::string events = JoinPath(dir, "events");
-  auto lock = OutputLock::Acquire(events);
+  auto lock = OutputLock::Acquire(events, lock_wait);
   if (IsOutputBusy(lock.status())) {
     std::string msg(StatusMessage(lock.status()));
     if (msg.rfind(events, 0) == 0) msg = dir + msg.substr(events.size());
@@ -229,16 +231,17 @@ absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fre
 // OpenRunOutputs' steps, what they made recorded in *made.
 absl::Status OpenRunOutputsOrFail(const std::string& tensorboard_dir, const std::string& metrics_path,
                                   const std::string& save, const std::string& load, int64_t iteration, MadeOnDisk* made,
-                                  RunOutputs* out) {
+                                  RunOutputs* out, std::chrono::milliseconds lock_wait) {
   std::string tb_dir, metrics = metrics_path, tb_note, metrics_note;
   if (!tensorboard_dir.empty()) {
-    PTK_ASSIGN_OR_RETURN(
-        tb_dir, ClaimTensorBoardDir(tensorboard_dir, iteration == 0, save, load, made, &out->tb_lock, &tb_note));
+    PTK_ASSIGN_OR_RETURN(tb_dir, ClaimTensorBoardDir(tensorboard_dir, iteration == 0, save, load, made, &out->tb_lock,
+                                                     &tb_note, lock_wait));
     // The metrics.jsonl that defaults to the directory's goes along with the events.
     if (metrics == JoinPath(tensorboard_dir, "metrics.jsonl")) metrics = JoinPath(tb_dir, "metrics.jsonl");
   }
   if (!metrics.empty())
-    PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics, iteration, made, &out->metrics_lock, &out->metrics, &metrics_note));
+    PTK_RETURN_IF_ERROR(
+        OpenMetricsFile(metrics, iteration, made, &out->metrics_lock, &out->metrics, &metrics_note, lock_wait));
   if (!tb_dir.empty()) {
     PTK_ASSIGN_OR_RETURN(out->tb, SummaryWriter::Create(tb_dir));  // a new event file (a resume adds one)
     log::Info("TensorBoard events: {}", out->tb->path());
@@ -257,10 +260,10 @@ absl::Status RunOutputs::Sync() {
 
 absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
                             const std::string& save, const std::string& load, int64_t iteration, bool writer,
-                            RunOutputs* out) {
+                            RunOutputs* out, std::chrono::milliseconds lock_wait) {
   if (!writer) return absl::OkStatus();
   MadeOnDisk made;
-  absl::Status st = OpenRunOutputsOrFail(tensorboard_dir, metrics_path, save, load, iteration, &made, out);
+  absl::Status st = OpenRunOutputsOrFail(tensorboard_dir, metrics_path, save, load, iteration, &made, out, lock_wait);
   if (st.ok()) return st;
   out->tb.reset();
   (void)out->metrics.Close();

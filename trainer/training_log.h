@@ -60,7 +60,9 @@ class SaveDirectory {
   SaveDirectory& operator=(const SaveDirectory&) = delete;
   ~SaveDirectory() { Abandon(); }
   // `lock_name`: the lock file's (ptk-train's, which ptk-convert's imports take too; ptk-convert's exports').
-  absl::Status Take(const std::string& dir, const std::string& lock_name = "ptk-train");
+  // `wait`: how long to keep trying while another run holds it (--lock-wait; OutputLock::Acquire).
+  absl::Status Take(const std::string& dir, const std::string& lock_name = "ptk-train",
+                    std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   void Keep() {
     std::lock_guard<std::mutex> lock(mu_);
     kept_ = true;
@@ -102,10 +104,11 @@ struct RunOutputs {
 // default, TENSORBOARD_DIR/metrics.jsonl, goes along with the events. A fresh run where an earlier
 // run left lines says so, and so does a resumed run whose file ends before its checkpoint's
 // iteration (lines that are not its own). A start refused (a busy lock, a path that cannot be
-// written) leaves nothing on disk that it made: no directory, run-N or empty file.
+// written) leaves nothing on disk that it made: no directory, run-N or empty file. `lock_wait`: how long
+// to keep trying for each while another run holds it (--lock-wait; OutputLock::Acquire).
 absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
                             const std::string& save, const std::string& load, int64_t iteration, bool writer,
-                            RunOutputs* out);
+                            RunOutputs* out, std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
 
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).
 std::string JsonNumber(double v);

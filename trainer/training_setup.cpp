@@ -79,12 +79,12 @@ absl::Status Trainer::SetUp() {
   // One training run per --save directory: a second (a requeue while the first still runs) stops
   // here naming the first, instead of interleaving checkpoints with it.
   if (lead_ && !o_.save.empty()) {
-    PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
+    PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save, "ptk-train", o_.lock_wait));
     PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
     // The non-persistent directory has a lock of its own, SAVE/non_persistent too: --save's does not keep out a
     // run whose --non-persistent-global-ckpt-dir or --save it is, and each one's cleanup removes the other's.
     const std::string& np = o_.non_persistent_dir;
-    if (!np.empty()) PTK_RETURN_IF_ERROR(non_persistent_dir_.Take(np));
+    if (!np.empty()) PTK_RETURN_IF_ERROR(non_persistent_dir_.Take(np, "ptk-train", o_.lock_wait));
     if (!np.empty()) PTK_RETURN_IF_ERROR(RecoverCheckpointDir(np));
   }
   return absl::OkStatus();
@@ -222,8 +222,8 @@ absl::Status Trainer::OpenDataAndOutputs() {
                 : "",
         plan_.global_batch_size);
   if (o_.skip_train) return absl::OkStatus();  // no training loader, nothing written (no TensorBoard, as Megatron's)
-  PTK_RETURN_IF_ERROR(
-      OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, last_, &outputs_));
+  PTK_RETURN_IF_ERROR(OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, last_,
+                                     &outputs_, o_.lock_wait));
   train_loader_ = std::make_unique<DataLoader>(
       data_.train,
       PretrainingSampler(data_.train->size(), data_state.consumed_train_samples, mbs, data_rank_, data_size_), mbs);

@@ -354,7 +354,8 @@ absl::StatusOr<char> CopyInput(const std::string& in_path, uint64_t size, Atomic
 
 }  // namespace
 
-absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable,
+                                                   std::chrono::milliseconds lock_wait) {
   if (index >= plan.chunks.size())
     return absl::OutOfRangeError(
         fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
@@ -365,7 +366,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   ConcatChunkResult res;
   PTK_RETURN_IF_ERROR(MakeDirs(out_dir));
   // One builder per chunk: a second run of the same chunk stops here, naming the first.
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(out_path));
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(out_path, lock_wait));
   RemoveStaleTemporaries(out_path);
   // Skip when the sidecar says this exact chunk is complete and the file has its size.
   auto side = ReadFileToString(out_path + std::string(kDoneSuffix));
@@ -494,7 +495,8 @@ absl::StatusOr<std::vector<std::string>> ConcatListItems(const ConcatPlan& plan,
   return items;
 }
 
-absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan) {
+absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan,
+                                                               std::chrono::milliseconds lock_wait) {
   std::vector<std::string> removed;
   std::set<std::string> in_plan;
   for (const auto& c : plan.chunks) in_plan.insert(c.name);
@@ -514,7 +516,7 @@ absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan&
     const std::string path = JoinPath(out_dir, name);
     auto side = ReadFileToString(path + std::string(kDoneSuffix));
     if (!side.ok() || side->find("\"inputs_sha256\"") == std::string::npos) continue;  // not a ptk-concat chunk
-    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(path));
+    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(path, lock_wait));
     PTK_RETURN_IF_ERROR(RemoveFileIfExists(path + std::string(kDoneSuffix)));
     PTK_RETURN_IF_ERROR(RemoveFileIfExists(path));
     RemoveStaleTemporaries(path);
@@ -542,7 +544,7 @@ absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunO
   std::mutex mu;
   ConcatSummary sum;
   ParallelForEach(todo.size(), o.jobs, [&](size_t i) {
-    auto res = BuildConcatChunk(plan, todo[i], o.durable);
+    auto res = BuildConcatChunk(plan, todo[i], o.durable, o.lock_wait);
     std::lock_guard<std::mutex> lock(mu);
     if (!res.ok()) {
       sum.errors.emplace_back(todo[i], res.status());

@@ -2,6 +2,7 @@
 // order preserved. A plan written once lets every chunk be built by its own array task.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -73,7 +74,9 @@ struct ConcatChunkResult {
 // durable: the chunk is fsynced before its rename (and its directory after), so that a chunk that
 // exists survives a crash. Without it the chunk is still atomic (complete or absent) but, like
 // cat's output, only in the page cache when the call returns.
-absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable = true);
+// lock_wait: how long to keep trying for the chunk while another run builds it (OutputLock::Acquire).
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable = true,
+                                                   std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
 
 // What `ptk-concat plan` asks for: inputs (files, globs, directories) and how to group them.
 struct ConcatPlanRequest {
@@ -82,6 +85,8 @@ struct ConcatPlanRequest {
   std::string order = "natural";  // natural (shard2 before shard10) or bytes (LC_ALL=C ls)
   std::string plan_path;          // never an input itself
   ConcatPlanOptions plan;
+  // How long RemoveChunksNotInPlan keeps trying for a chunk another run is building (--lock-wait).
+  std::chrono::milliseconds lock_wait{0};
 };
 // Collects the inputs and makes the plan. Nothing inside the output directory and not the plan
 // file are inputs, judged by identity (the resolved path), never by spelling: `c/`, `./c` and an
@@ -92,8 +97,9 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& request);
 // The plan owns its output directory: chunks an earlier plan built there (files with a ptk-concat
 // sidecar) that are not in this plan are removed with their sidecars, so that no later stage
 // takes them for this plan's data. Returns the names removed. A chunk another run is still
-// building is an error naming that run.
-absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan);
+// building is an error naming that run (after `lock_wait`, the request's --lock-wait).
+absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(
+    const ConcatPlan& plan, std::chrono::milliseconds lock_wait = std::chrono::milliseconds(0));
 
 // The plan's chunk files (OUTPUT_DIR/NAME), in order: what later stages read.
 std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan);
@@ -114,6 +120,7 @@ struct ConcatRunOptions {
   int jobs = 4;
   bool durable = true;  // fsync each chunk (see BuildConcatChunk)
   bool progress = true;
+  std::chrono::milliseconds lock_wait{0};  // --lock-wait (BuildConcatChunk)
 };
 struct ConcatSummary {
   int64_t built = 0, skipped = 0, failed = 0;  // chunks

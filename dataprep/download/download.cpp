@@ -32,7 +32,7 @@ using namespace download_detail;
 // or the file itself, and its lock files: removed when the file's lock can be had (nobody is
 // writing it then). The
 // state directory is left alone (its files are not locked; their temporaries are unique).
-void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
+void RemoveTemporariesOfKilledRuns(const std::string& local_dir, std::chrono::milliseconds lock_wait) {
   auto files = ListFilesRecursive(local_dir);
   if (!files.ok()) return;
   for (const auto& rel : *files) {
@@ -41,7 +41,7 @@ void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
     if (rel.size() > lock_suffix.size() &&
         rel.compare(rel.size() - lock_suffix.size(), lock_suffix.size(), lock_suffix) == 0) {
       // A killed run's lock file: taking and releasing the lock removes it (unless a run holds it).
-      (void)OutputLock::Acquire(JoinPath(local_dir, rel.substr(0, rel.size() - lock_suffix.size())));
+      (void)OutputLock::Acquire(JoinPath(local_dir, rel.substr(0, rel.size() - lock_suffix.size())), lock_wait);
       continue;
     }
     const size_t at = rel.find(".ptk-tmp-");
@@ -50,7 +50,7 @@ void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
     for (std::string_view suf : {".part.json", ".part"})
       if (target.size() > suf.size() && target.compare(target.size() - suf.size(), suf.size(), suf) == 0)
         target.resize(target.size() - suf.size());
-    auto lock = OutputLock::Acquire(JoinPath(local_dir, target));
+    auto lock = OutputLock::Acquire(JoinPath(local_dir, target), lock_wait);
     if (lock.ok()) (void)RemoveFileIfExists(JoinPath(local_dir, rel));
   }
 }
@@ -81,9 +81,9 @@ void download_detail::RemovePartOf(const RemoteFile& f) {
   (void)RemoveFileIfExists(f.local_path + ".part.json");
 }
 
-void download_detail::RemoveStalePart(const RemoteFile& f) {
+void download_detail::RemoveStalePart(const RemoteFile& f, std::chrono::milliseconds lock_wait) {
   if (!PathExists(f.local_path + ".part") && !PathExists(f.local_path + ".part.json")) return;
-  auto lock = OutputLock::Acquire(f.local_path);
+  auto lock = OutputLock::Acquire(f.local_path, lock_wait);
   if (lock.ok()) RemovePartOf(f);  // (else a run is writing it: its own business)
 }
 
@@ -166,7 +166,7 @@ absl::StatusOr<std::vector<RemoteFile>> ListRepo(const DownloadOptions& opt, Ses
   {
     // What a run killed while writing the listing left (its temporary, its lock): removed when no
     // run is writing it now.
-    auto lock = OutputLock::Acquire(manifest);
+    auto lock = OutputLock::Acquire(manifest, opt.lock_wait);
     if (lock.ok()) RemoveStaleTemporaries(manifest);
   }
   if (PathExists(manifest)) {
@@ -177,7 +177,7 @@ absl::StatusOr<std::vector<RemoteFile>> ListRepo(const DownloadOptions& opt, Ses
     std::string text;
     for (const auto& f : files) text += ManifestLine(f);
     // Another run writing it meanwhile writes the same listing: this one need not.
-    auto lock = OutputLock::Acquire(manifest);
+    auto lock = OutputLock::Acquire(manifest, opt.lock_wait);
     if (lock.ok()) PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
   }
   // Names below --local-dir of the whole listing (not only the selection): a file this run does
@@ -256,7 +256,7 @@ absl::StatusOr<Todo> FilesToFetch(const DownloadOptions& opt, const std::vector<
     PTK_ASSIGN_OR_RETURN(const bool present, PresentAndVerified(f, done, opt.verify, log_file));
     if (present) {
       ++sum->already_present;
-      RemoveStalePart(f);
+      RemoveStalePart(f, opt.lock_wait);
     } else {
       todo.files.push_back(f);
       todo.bytes += f.size;
@@ -337,7 +337,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   if (opt.local_dir.empty()) return UsageError("--local-dir is required");
   if (opt.repo.empty() == opt.url_list.empty()) return absl::InvalidArgumentError("give either --repo or --url-list");
   PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(opt.local_dir, kStateDir)));
-  RemoveTemporariesOfKilledRuns(opt.local_dir);
+  RemoveTemporariesOfKilledRuns(opt.local_dir, opt.lock_wait);
   Session s(opt);
   HttpClient http;
   DownloadSummary sum;

@@ -3,6 +3,7 @@
 // before the atomic rename, aware of the Hub's rate limits, shardable across array tasks.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -46,6 +47,8 @@ struct DownloadOptions {
   bool verify = false;     // re-hash files already present
   bool list_only = false;  // write the manifest and stop
   bool progress = true;
+  // How long to keep trying for a file (or the listing) another run is writing (--lock-wait; OutputLock::Acquire).
+  std::chrono::milliseconds lock_wait{0};
 };
 
 struct RemoteFile {

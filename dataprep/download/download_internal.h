@@ -403,7 +403,7 @@ absl::StatusOr<bool> PresentAndVerified(const RemoteFile& f, const std::set<std:
 // Removes the `.part` (and its record) a killed run left beside a file that is complete: by the
 // holder of the file's lock (RemovePartOf), or when nobody holds it (RemoveStalePart).
 void RemovePartOf(const RemoteFile& f);
-void RemoveStalePart(const RemoteFile& f);
+void RemoveStalePart(const RemoteFile& f, std::chrono::milliseconds lock_wait);
 class DoneLog {
  public:
   absl::Status Open(const std::string& path) {

@@ -451,7 +451,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     PTK_RETURN_IF_ERROR(MakeDirs(Dirname(f.local_path)));
     // One downloader per file: another run on this --local-dir (a requeued job that still runs)
     // holding it makes this file fail at once, naming that run; its .part is never touched.
-    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(f.local_path));
+    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(f.local_path, s_.opt.lock_wait));
     // Another run on this --local-dir (a requeued job beside the first) may have finished the file
     // since this one listed it: then it is done, and no `.part` is started for it (one killed
     // later would be left beside the complete file). Its digest decides, not the done logs: the

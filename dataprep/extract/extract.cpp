@@ -388,7 +388,8 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
   const bool in_place = r.output == r.input || SameFile(r.input, r.output);
   if (src.ok() && !in_place) {
     absl::Status made = MakeDirs(Dirname(r.output));
-    auto l = made.ok() ? OutputLock::Acquire(r.output) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
+    auto l =
+        made.ok() ? OutputLock::Acquire(r.output, opt.lock_wait) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
     if (l.ok()) {
       *lock = std::move(*l);
       RemoveStaleTemporaries(r.output);

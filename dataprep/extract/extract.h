@@ -1,6 +1,7 @@
 // ptk-extract's engine: .zst / .xz (or plain) -> .jsonl, streaming, one file per worker.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,6 +27,8 @@ struct ExtractOptions {
   // record). Without it such an output is a failed file naming it, as `zstd -d` refuses.
   bool force = false;
   bool progress = true;
+  // How long to keep trying for an output another run is writing (--lock-wait; OutputLock::Acquire).
+  std::chrono::milliseconds lock_wait{0};
 };
 
 struct ExtractFileResult {

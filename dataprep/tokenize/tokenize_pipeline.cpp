@@ -115,7 +115,7 @@ std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const G
     struct stat st;
     const bool log_left = PathExists(prefix + ".ptk-resume-index");
     if (!log_left && ::stat((prefix + OutputLock::kSuffix).c_str(), &st) != 0) continue;
-    auto lock = OutputLock::Acquire(prefix);
+    auto lock = OutputLock::Acquire(prefix, opt.lock_wait);
     if (lock.ok() && log_left) RemoveStaleResumeRecord(prefix);
   }
   return done;

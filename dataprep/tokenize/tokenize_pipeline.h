@@ -7,6 +7,7 @@
 // --batch-bytes, or one longer line) and their ids.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +44,8 @@ struct TokenizeOptions {
   // settings it was made from: a rerun whose would be the same leaves the outputs as they are
   // (TokenizeStats::up_to_date). force: tokenize and publish again all the same.
   bool force = false;
+  // How long to keep trying for an output another run is writing (--lock-wait; OutputLock::Acquire).
+  std::chrono::milliseconds lock_wait{0};
 };
 
 struct TokenizeStats {

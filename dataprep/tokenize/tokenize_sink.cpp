@@ -254,7 +254,8 @@ namespace {
 // The documents a builder has written (its checkpoint: the flushed temporary .bin, the lengths and
 // document indices) in `order`, as the dataset `final_prefix` (its sidecar recording `source`).
 absl::Status WriteInOrder(const BuilderCheckpoint& in, DType dtype, const std::string& final_prefix,
-                          const std::vector<int64_t>& order, const std::string& source) {
+                          const std::vector<int64_t>& order, const std::string& source,
+                          std::chrono::milliseconds lock_wait) {
   const size_t isz = DTypeSize(dtype);
   std::vector<uint64_t> seq_start(in.lengths.size() + 1, 0);  // token offsets
   for (size_t s = 0; s < in.lengths.size(); ++s) seq_start[s + 1] = seq_start[s] + static_cast<uint64_t>(in.lengths[s]);
@@ -267,7 +268,7 @@ absl::Status WriteInOrder(const BuilderCheckpoint& in, DType dtype, const std::s
     if (bin->size() < in.bin_bytes)
       return absl::DataLossError(fmt::format("{}: {} bytes, {} written", in.bin_tmp, bin->size(), in.bin_bytes));
   }
-  PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, dtype));
+  PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, dtype, false, lock_wait));
   RemoveStaleResumeRecord(final_prefix);  // the output's lock is ours now
   std::vector<int32_t> tokens;
   for (const int64_t d : order) {
@@ -331,7 +332,7 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
   }
   if (resume) {
     for (size_t k = 0; k < nkeys_; ++k) {
-      auto b = IndexedDatasetBuilder::Resume(StagingPrefix(k), dtype, resume->builders[k]);
+      auto b = IndexedDatasetBuilder::Resume(StagingPrefix(k), dtype, resume->builders[k], opt_.lock_wait);
       if (!b.ok()) {
         if (IsOutputBusy(b.status())) return b.status();  // another run's: its record is not ours
         log::Warning("cannot resume ({}); starting over", StatusMessage(b.status()));
@@ -344,7 +345,7 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
   }
   if (!resume) {
     for (size_t k = 0; k < nkeys_; ++k) {
-      PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(StagingPrefix(k), dtype));
+      PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(StagingPrefix(k), dtype, false, opt_.lock_wait));
       builders_[0].push_back(std::move(b));
     }
   }
@@ -510,7 +511,7 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
     // their builders (a killed run's are removed by the next, as every writer's).
     for (size_t k = 0; k < nkeys_; ++k) {
       PTK_ASSIGN_OR_RETURN(const BuilderCheckpoint written, builders_[0][k]->Checkpoint());
-      PTK_RETURN_IF_ERROR(WriteInOrder(written, builders_[0][k]->dtype(), finals[k], order, source));
+      PTK_RETURN_IF_ERROR(WriteInOrder(written, builders_[0][k]->dtype(), finals[k], order, source, opt_.lock_wait));
       builders_[0][k]->Abort();
     }
   }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +15,7 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include "common/cli.h"
 #include "common/hash.h"
 #include "common/status.h"
 #include "tests/test_util.h"
@@ -41,17 +43,14 @@ TEST(OutputLock, SecondHolderIsRefusedWithTheFirstNamed) {
   EXPECT_TRUE(c.ok()) << c.status();
 }
 
-// SetOutputLockWait (a tool's --lock-wait): a held output is tried again until the wait runs out, and the
+// Acquire's wait (a tool's --lock-wait): a held output is tried again until the wait runs out, and the
 // refusal then says how long it waited; the default, 0, refuses at once without a word of waiting.
 TEST(OutputLock, AWaitThatRunsOutSaysHowLongItWaited) {
   TempDir dir;
   const std::string out = dir / "chunk.jsonl";
   auto a = OutputLock::Acquire(out);
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(OutputLockWait(), std::chrono::milliseconds(0));
-  SetOutputLockWait(std::chrono::milliseconds(1200));
-  auto b = OutputLock::Acquire(out);
-  SetOutputLockWait(std::chrono::milliseconds(0));
+  auto b = OutputLock::Acquire(out, std::chrono::milliseconds(1200));
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(IsOutputBusy(b.status())) << b.status();
   const std::string msg(StatusMessage(b.status()));
@@ -63,10 +62,47 @@ TEST(OutputLock, AWaitThatRunsOutSaysHowLongItWaited) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(std::string(StatusMessage(c.status())).find("--lock-wait"), std::string::npos) << c.status();
   a->reset();
-  SetOutputLockWait(std::chrono::milliseconds(60000));  // free: taken at once, whatever the wait
-  auto d = OutputLock::Acquire(out);
-  SetOutputLockWait(std::chrono::milliseconds(0));
+  auto d = OutputLock::Acquire(out, std::chrono::milliseconds(60000));  // free: taken at once, whatever the wait
   EXPECT_TRUE(d.ok()) << d.status();
+}
+
+// The wait is the call's own, not the process's: while one writer waits for a held output (a tool given
+// --lock-wait), another in the same process without a wait is refused at once, and the waiter takes the
+// output once the holder lets go. With a process-wide wait (it was SetOutputLockWait) either both waited
+// or neither did.
+TEST(OutputLock, EachCallWaitsItsOwnWait) {
+  TempDir dir;
+  const std::string out = dir / "chunk.jsonl";
+  auto a = OutputLock::Acquire(out);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<std::unique_ptr<OutputLock>> waited = absl::UnknownError("not run");
+  std::thread waiter([&] { waited = OutputLock::Acquire(out, std::chrono::milliseconds(600000)); });
+  auto at_once = OutputLock::Acquire(out);  // a shared wait would hold it here until the ctest timeout
+  ASSERT_FALSE(at_once.ok());
+  EXPECT_TRUE(IsOutputBusy(at_once.status())) << at_once.status();
+  EXPECT_EQ(std::string(StatusMessage(at_once.status())).find("--lock-wait"), std::string::npos) << at_once.status();
+  a->reset();
+  waiter.join();
+  EXPECT_TRUE(waited.ok()) << waited.status();
+}
+
+// --lock-wait (cli::AddLockWait) sets the tool's own option, in milliseconds, and nothing process-wide:
+// an Acquire without a wait after the flag was parsed still refuses at once.
+TEST(OutputLock, LockWaitFlagSetsTheToolsOptionOnly) {
+  TempDir dir;
+  const std::string out = dir / "chunk.jsonl";
+  CLI::App app("t");
+  std::chrono::milliseconds wait{0};
+  cli::AddLockWait(app, &wait);
+  const char* argv[] = {"t", "--lock-wait", "2.5"};
+  ASSERT_NO_THROW(app.parse(3, const_cast<char**>(argv)));
+  EXPECT_EQ(wait, std::chrono::milliseconds(2500));
+  auto a = OutputLock::Acquire(out);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = OutputLock::Acquire(out);
+  ASSERT_FALSE(b.ok());
+  // A refusal after a wait says "still held after waiting 2.5 s (--lock-wait)".
+  EXPECT_EQ(std::string(StatusMessage(b.status())).find("--lock-wait"), std::string::npos) << b.status();
 }
 
 TEST(OutputLock, LockOfAKilledProcessDoesNotBlock) {

@@ -26,6 +26,7 @@
 #include "interop/megatron_common.h"
 #include "interop/torch_format.h"
 #include "tests/interop/convert_opts.h"
+#include "tests/interop/distinct_state.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/run_settings.h"
@@ -159,15 +160,7 @@ class MegatronMla : public ::testing::Test {
     auto layout = ParamLayout::Create(c);
     ASSERT_TRUE(layout.ok()) << layout.status();
     layout_ = *layout;
-    params_.resize(static_cast<size_t>(layout_.num_params));
-    layout_.InitWeights(5, params_);
-    m1_.resize(params_.size());
-    m2_.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      params_[i] += 1e-3f * static_cast<float>(i % 97);
-      m1_[i] = 1e-4f * static_cast<float>(i % 89) - 3e-3f;
-      m2_[i] = 1e-6f * static_cast<float>(1 + i % 83);
-    }
+    testing::DistinctWeightsAndMoments(layout_, &params_, &m1_, &m2_);
     TrainState st;
     st.iteration = 4;
     st.adam_step = 4;

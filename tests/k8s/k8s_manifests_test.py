@@ -218,11 +218,15 @@ def pod_checks(where, spec, cfg):
           f"{where}: the shared volume is not the PVC PVC_NAME")
 
 
-def one_rank_per_pod_checks(where, ctr):
+def one_rank_per_pod_checks(where, ctr, cfg):
     """A training pod is one rank: its threads are its CPU request (--threads), not a share of the node's
     cores that ptk-train would have to split by a count of ranks on the node the pod cannot know; nor
-    does it claim one (LOCAL_WORLD_SIZE: the pods on a node do not share a memory cgroup)."""
+    does it claim one (LOCAL_WORLD_SIZE: the pods on a node do not share a memory cgroup). It waits
+    LOCK_WAIT for --save's lock, as the data pods do for theirs: a restarted rank whose node died holding
+    it on NFS (the lock lasts the server's lease, ~90 s) failed at once and spent the job's restarts."""
     args = ctr.get("command", []) + ctr.get("args", [])
+    lock_wait = cfg.get("LOCK_WAIT", "180")
+    check(f"--lock-wait={lock_wait}" in args, f"{where}: ptk-train is not given --lock-wait={lock_wait} (LOCK_WAIT)")
     cpu = str(ctr["resources"]["requests"]["cpu"])
     check(f"--threads={cpu}" in args, f"{where}: ptk-train's --threads is not the pod's cpu request {cpu}")
     env = {e["name"] for e in ctr.get("env", [])}
@@ -278,7 +282,7 @@ def job_checks(job, cfg, service=None):
         check(env["PTK_RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"] ==
               "metadata.labels['batch.kubernetes.io/controller-uid']", "PTK_RUN_ID is not the Job's uid")
         check(str(sp["ports"][0]["port"]) == env["MASTER_PORT"]["value"], "the Service's port is not MASTER_PORT")
-        one_rank_per_pod_checks(where, t["containers"][0])
+        one_rank_per_pod_checks(where, t["containers"][0], cfg)
 
 
 def pytorchjob_checks(pj, cfg):
@@ -302,7 +306,7 @@ def pytorchjob_checks(pj, cfg):
         check(run_id.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") ==
               "metadata.labels['training.kubeflow.org/job-name']",
               f"{rtype}: PTK_RUN_ID is not the PyTorchJob's name (the operator's job-name label)")
-        one_rank_per_pod_checks(f"PyTorchJob {rtype}", c)
+        one_rank_per_pod_checks(f"PyTorchJob {rtype}", c, cfg)
 
 
 # ---- run

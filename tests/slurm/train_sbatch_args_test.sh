@@ -3,7 +3,8 @@
 # Slurm (started here), submitted as the tutorials do: a --seq-length in TRAIN_ARGS (a flag there wins
 # over its variable) sizes the position table too. It took SEQ_LENGTH's (1024 by default), and the job
 # stopped at start: "--max-position-embeddings 1024 is less than --seq-length 2048". MAX_POSITION_EMBEDDINGS,
-# when set, is still given.
+# when set, is still given. A requeued job whose --save lock a dead node still holds (NFS keeps it for its
+# lease) waits LOCK_WAIT for it, as the data stages do: it failed at once.
 # Usage: train_sbatch_args_test.sh BIN_DIR SOURCE_DIR      (exit 77 = skipped: not root)
 set -euo pipefail
 BIN=$1
@@ -53,4 +54,19 @@ id=$(cd "$WORK" && env STAGE_PATH="$WORK/c" TRAIN_ARGS="$BASE --seq-length 2048"
 "$SRC/tests/slurm/slurm-wait.sh" -t 120 "$id" > "$WORK/wait.out" && fail "the job ran with a position table below its sequence"
 grep -q -- "--max-position-embeddings 1024 is less than --seq-length 2048" "$WORK"/c/train-*.out ||
   { cat "$WORK"/c/train-*.out; fail "no refusal naming both"; }
+echo "== --save's lock held (a dead node's, on NFS): the job waits LOCK_WAIT for it, then trains"
+mkdir -p "$WORK/d/checkpoints"
+python3 "$SRC/tests/slurm/hold-lock.py" "$WORK/d/checkpoints/ptk-train" "$WORK/d/train.log" "(--lock-wait)" 150 \
+  > "$WORK/hold.out" 2>&1 &
+holder=$!
+for _ in $(seq 100); do grep -q held "$WORK/hold.out" && break; sleep 0.1; done
+grep -q held "$WORK/hold.out" || { cat "$WORK/hold.out"; fail "the lock was not taken"; }
+run "$WORK/d" "$BASE --seq-length 64" LOCK_WAIT=120 > "$WORK/d.log" &
+job=$!
+# The holder watches the job's log: train.log gathers it as it grows (Slurm writes train-JOBID.out).
+while kill -0 "$job" 2>/dev/null; do cat "$WORK"/d/train-*.out > "$WORK/d/train.log" 2>/dev/null || true; sleep 0.2; done
+wait "$job" || { kill "$holder" 2>/dev/null; cat "$WORK/d.log" "$WORK"/d/train-*.out; fail "the job did not wait for --save's lock"; }
+wait "$holder" || fail "the holder never saw the job wait"
+grep -q "ptk-train is being written by another run .*waited 0 s of 120 s (--lock-wait)" "$WORK/d.log" ||
+  { cat "$WORK/d.log"; fail "no line saying the job waits"; }
 echo "PASS"

@@ -11,6 +11,7 @@
 
 #include "common/system_memory.h"
 #include "tests/test_util.h"
+#include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -50,6 +51,31 @@ TEST(MemoryEstimate, PlannedActivationsAreWhatThePassAllocates) {
     EXPECT_EQ(m->checkpoint_copies, 12.0 * static_cast<double>((*model)->num_params()));
     EXPECT_EQ(m->activation_slots, 1);
     EXPECT_EQ(m->activations, 4.0 * static_cast<double>((*model)->ActivationFloats()) + 4.0 * 32 + 8.0 * 2);
+  }
+}
+
+// Tensor parallelism splits each expert's ffn columns over the tensor ranks (Megatron's expert tensor parallelism:
+// what it divides by the tensor size), the shared experts' too: a rank's plan is what its pass allocates, with and
+// without sequence parallelism. The plan counted each expert's whole width on every tensor rank.
+TEST(MemoryEstimate, ATensorRankPlansItsSliceOfTheExperts) {
+  GPTConfig c = Gpt3();
+  c.add_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_layer_pattern = {0, 1, 1};
+  c.moe_ffn_hidden_size = 48;
+  c.moe_shared_expert_intermediate_size = 24;
+  c.padded_vocab_size = 98;  // a multiple of the tensor size
+  for (const bool sp : {false, true}) {
+    std::vector<int64_t> planned(2, -1), allocated(2, -2);
+    testing::RunRanks(2, [&](Communicator* tensor, int rank) {
+      auto model = CpuGPTModel::Create(c, tensor, sp);
+      ASSERT_TRUE(model.ok()) << model.status();
+      testing::Batches batches(1, c.seq_length);
+      ASSERT_TRUE((*model)->ForwardBackward(batches.Get(0), 1.0, /*train=*/true, 7).ok());
+      allocated[static_cast<size_t>(rank)] = (*model)->ActivationFloats();
+      planned[static_cast<size_t>(rank)] = CpuGPTModel::PlanActivationFloats((*model)->layout(), sp, 2);
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(planned[static_cast<size_t>(r)], allocated[static_cast<size_t>(r)]) << sp;
   }
 }
 

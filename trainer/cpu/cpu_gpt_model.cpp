@@ -327,7 +327,8 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   if (a != nullptr) a->shared.assign(static_cast<size_t>(L), {});
   for (int64_t l = l0; l < std::min(l1, L); ++l)  // what MoeActivations holds after a pass (moe_cpu.cpp's sizes)
     if (layout.layers[static_cast<size_t>(l)].router_w >= 0) {
-      const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn(), fm1 = (cf.swiglu ? 2 : 1) * fm;
+      // A tensor rank's slice of each expert's ffn columns (MoeSettingsOf), as Megatron splits them by the tensor size.
+      const int64_t K = cf.moe_router_topk, E = cf.num_experts, fm = cf.moe_ffn() / T, fm1 = (cf.swiglu ? 2 : 1) * fm;
       // With a capacity factor at most capacity rows per expert reach the experts, and the drop marks (bytes)
       // count a quarter float each.
       const bool drop = cf.moe_expert_capacity_factor >= 0;
@@ -336,7 +337,7 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
       floats += 3 * n * E + 3 * n * K + rows_e + E + 1 + rows_e * (4 * c + 2 * fm1 + 3 * fm) +
                 (drop ? (n * K + 3) / 4 : 0);  // integers counted as floats
       if (cf.moe_shared_expert_intermediate_size > 0)
-        floats += cpu::SharedExpertActivationFloats(cpu_model_detail::SharedExpertSettingsOf(cf), n, c);
+        floats += cpu::SharedExpertActivationFloats(cpu_model_detail::SharedExpertSettingsOf(cf, T), n, c);
     }
   if (a != nullptr) a->mla.assign(static_cast<size_t>(cf.mla() ? L : 0), {});
   if (cf.mla()) {  // what MlaActivations holds after a pass (mla_cpu.cpp's sizes), and MLA's rotary tables

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "trainer/cpu/flush_denormals.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
@@ -35,6 +36,7 @@ void GemmTiles(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const
     // Row i of op(A) and column j of op(B) in row-major storage.
     const T* ai = ta ? a + i0 : a + i0 * lda;
     const T* bj = tb ? b + j0 * ldb : b + j0;
+    const ScopedFlushDenormals flush;  // on this thread, for this tile only (flush_denormals.h)
     gemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(mi),
          static_cast<int>(nj), static_cast<int>(k), alpha, ai, static_cast<int>(lda), bj, static_cast<int>(ldb), beta,
          c + i0 * ldc + j0, static_cast<int>(ldc));

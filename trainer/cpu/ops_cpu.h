@@ -15,7 +15,8 @@
 namespace ptk::cpu {
 
 // ---- matmul_cpu.cpp --------------------------------------------------------------------------
-// Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, through cblas_{s,d}gemm.
+// Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, through cblas_{s,d}gemm. Denormal
+// operands and results are taken as 0 (flush-to-zero on the computing thread only: flush_denormals.h).
 template <typename T>
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
           int64_t ldb, T beta, T* c, int64_t ldc);
