@@ -2,7 +2,8 @@
 // (gpu-labelled: exits 77 without a device). A small GPT with two MoE layers of 4 experts (top-2) beside a
 // dense one, no biases (Megatron's MoE needs --disable-bias-linear), the load-balancing loss and the z-loss on:
 // one step's loss, load-balancing and z-loss values and every gradient; softmax, pre-softmax and sigmoid routers
-// with the top-k scaling factor, GELU and SwiGLU experts; a few dozen steps along the CPU's curve.
+// with the top-k scaling factor, GELU and SwiGLU experts, shared experts with and without their gate, group-limited
+// routing (softmax and sigmoid), seq_aux_loss; a few dozen steps along the CPU's curve.
 //
 // Tolerances, as cuda_model_test's: fp32 (no TF32) the loss within 1e-5 relative, every gradient within 1e-4
 // relative L2 (rounding only: both routers choose the same experts from fp32 logits of the same weights); the
@@ -75,6 +76,85 @@ TEST(CudaMoeModel, Fp32RouterVariantsMatchTheCpu) {
     ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "MoE sigmoid top-1, scaling 2.5");
     ExpectMoeLossesMatch(c, Precision::kFp32, 1e-5, "MoE sigmoid top-1, scaling 2.5");
   }
+}
+
+// Shared experts (DeepSeek / Qwen-MoE): a dense MLP beside the routed experts on every token, with and without the
+// sigmoid gate; their weights' gradients among every gradient compared.
+GPTConfig SharedConfig(bool gate) {
+  GPTConfig c = MoeConfig();
+  c.moe_shared_expert_intermediate_size = 80;
+  c.moe_shared_expert_gate = gate;
+  return c;
+}
+
+TEST(CudaMoeModel, Fp32SharedExpertsMatchTheCpu) {
+  ExpectOneStepMatches(SharedConfig(false), Precision::kFp32, 1e-5, 1e-4, "MoE with shared experts");
+  ExpectMoeLossesMatch(SharedConfig(false), Precision::kFp32, 1e-5, "MoE with shared experts");
+  GPTConfig c = SharedConfig(true);
+  c.swiglu = true;
+  ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "MoE with gated shared experts, SwiGLU");
+}
+
+TEST(CudaMoeModel, SharedExpertsFollowTheCpuInBf16AndAlongTheCurve) {
+  ExpectOneStepMatches(SharedConfig(true), Precision::kBf16, 1e-2, 1e-1, "MoE with gated shared experts");
+  const GPTConfig c = SharedConfig(true);
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 20, 1e-3, 5e-2, " MoE shared experts");
+}
+
+// Group-limited routing (DeepSeek-V2's softmax, DeepSeek-V3's sigmoid with shared experts; no expert bias): the
+// top 2 within the best of 2 groups of 2 experts, the load-balancing loss counting each token's plain top 2.
+GPTConfig GroupedConfig(bool sigmoid) {
+  GPTConfig c = sigmoid ? SharedConfig(true) : MoeConfig();
+  c.moe_router_num_groups = 2;
+  c.moe_router_group_topk = 1;
+  c.moe_router_sigmoid = sigmoid;
+  if (sigmoid) c.moe_router_topk_scaling_factor = 2.5;
+  return c;
+}
+
+TEST(CudaMoeModel, Fp32GroupLimitedRoutingMatchesTheCpu) {
+  for (bool sigmoid : {false, true}) {
+    const std::string what = sigmoid ? "MoE sigmoid, 2 groups, shared experts" : "MoE softmax, 2 groups";
+    ExpectOneStepMatches(GroupedConfig(sigmoid), Precision::kFp32, 1e-5, 1e-4, what);
+    ExpectMoeLossesMatch(GroupedConfig(sigmoid), Precision::kFp32, 1e-5, what);
+  }
+}
+
+TEST(CudaMoeModel, GroupLimitedRoutingFollowsTheCpuInBf16AndAlongTheCurve) {
+  ExpectOneStepMatches(GroupedConfig(true), Precision::kBf16, 1e-2, 1e-1, "MoE sigmoid, 2 groups, shared experts");
+  const GPTConfig c = GroupedConfig(true);
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 20, 1e-3, 5e-2, " MoE group-limited routing");
+}
+
+// seq_aux_loss (with aux_loss beside it): each sequence's switch loss, its value (TakeMoeBalanceLosses) and gradient
+// the CPU model's (trainer/cpu/moe_balance.cpp), micro-batches of 4 sequences.
+GPTConfig SeqAuxConfig() {
+  GPTConfig c = GroupedConfig(true);
+  c.moe_seq_aux_loss_coeff = 5e-2;
+  return c;
+}
+
+TEST(CudaMoeModel, Fp32SeqAuxLossMatchesTheCpu) {
+  const GPTConfig c = SeqAuxConfig();
+  ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "MoE seq_aux_loss");
+  Batches data(1, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, Precision::kFp32);
+  ASSERT_TRUE(gpu);
+  ASSERT_TRUE(cpu->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5).ok());
+  ASSERT_TRUE(gpu->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5).ok());
+  const MoeBalanceLosses a = cpu->TakeMoeBalanceLosses(), b = gpu->TakeMoeBalanceLosses();
+  EXPECT_GT(a.seq, 0);
+  EXPECT_NEAR(b.seq, a.seq, 1e-5 * a.seq);
+  EXPECT_EQ(gpu->TakeMoeBalanceLosses().seq, 0);         // taken
+  ASSERT_TRUE(gpu->Forward(data.Get(0), nullptr).ok());  // evaluation passes track none
+  EXPECT_EQ(gpu->TakeMoeBalanceLosses().seq, 0);
+}
+
+TEST(CudaMoeModel, SeqAuxLossFollowsTheCpuInBf16AndAlongTheCurve) {
+  ExpectOneStepMatches(SeqAuxConfig(), Precision::kBf16, 1e-2, 1e-1, "MoE seq_aux_loss");
+  const GPTConfig c = SeqAuxConfig();
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 20, 1e-3, 5e-2, " MoE seq_aux_loss");
 }
 
 TEST(CudaMoeModel, Bf16StepFollowsTheCpu) {
