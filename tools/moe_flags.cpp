@@ -357,7 +357,7 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
         "--expert-model-parallel-size {} with --device cuda: expert parallelism runs on the CPU backend only",
         f.moe.expert_parallel));
   // The CUDA backend's MoE layers (trainer/cuda/moe_layer_cuda.h): dropless, data-parallel, aux_loss and z-loss,
-  // seq_aux_loss, shared experts, group-limited routing (at most 64 groups).
+  // seq_aux_loss, shared experts, group-limited routing (at most 64 groups), the expert bias.
   auto refuse = [&](const std::string& what) {
     return UsageError(fmt::format(
         "--num-experts {} with {} on --device cuda (or --bf16 / --fp16: the CUDA backend's): its mixture-of-experts "
@@ -372,7 +372,6 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
   if (f.moe.group_topk && f.moe.num_groups && *f.moe.num_groups > 64)
     return refuse(
         fmt::format("--moe-router-num-groups {} (the CUDA router takes at most 64 groups)", *f.moe.num_groups));
-  if (f.moe.enable_expert_bias) return refuse("--moe-router-enable-expert-bias");
   for (const std::string& type : f.moe.load_balancing_type)
     if (type != "aux_loss" && type != "seq_aux_loss" && type != "none")
       return refuse(fmt::format("--moe-router-load-balancing-type {}", type));

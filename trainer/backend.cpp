@@ -116,8 +116,8 @@ cuda::ModelOptions CudaModuleOptions(const BackendOptions& backend) {
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   // The CUDA backend's MoE layers (trainer/cuda/cuda_moe_model.cpp) are dropless and data-parallel, with aux_loss,
-  // seq_aux_loss, the z-loss, shared experts and group-limited routing; the rest runs on the CPU passes
-  // (cpu_moe_layer.cpp). ptk-train refuses it by flag first.
+  // seq_aux_loss, the z-loss, shared experts, group-limited routing and the expert bias; the rest runs on the CPU
+  // passes (cpu_moe_layer.cpp). ptk-train refuses it by flag first.
   if (config.moe() && backend.device != Device::kCpu) {
     const auto several = [](const Communicator* c) { return c != nullptr && c->size() > 1; };
     const char* missing = several(backend.tensor_comm) || several(backend.context_comm) ||
@@ -125,7 +125,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
                               ? "model parallelism"
                           : config.moe_router_group_topk > 0 && config.moe_router_num_groups > 64
                               ? "group-limited routing over more than 64 groups"
-                          : config.moe_router_enable_expert_bias   ? "the expert bias"
                           : config.moe_expert_capacity_factor >= 0 ? "token dropping"
                           : config.moe_global_aux_loss_coeff > 0   ? "global_aux_loss"
                                                                    : nullptr;

@@ -3,7 +3,7 @@
 // dense one, no biases (Megatron's MoE needs --disable-bias-linear), the load-balancing loss and the z-loss on:
 // one step's loss, load-balancing and z-loss values and every gradient; softmax, pre-softmax and sigmoid routers
 // with the top-k scaling factor, GELU and SwiGLU experts, shared experts with and without their gate, group-limited
-// routing (softmax and sigmoid), seq_aux_loss; a few dozen steps along the CPU's curve.
+// routing (softmax and sigmoid), seq_aux_loss, the expert bias; a few dozen steps along the CPU's curve.
 //
 // Tolerances, as cuda_model_test's: fp32 (no TF32) the loss within 1e-5 relative, every gradient within 1e-4
 // relative L2 (rounding only: both routers choose the same experts from fp32 logits of the same weights); the
@@ -13,7 +13,9 @@
 // 1e-3 (fp32) and 5e-2 (bf16) of the CPU's at every step, and learning.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "tests/trainer/cuda_model_test_util.h"
 
@@ -155,6 +157,51 @@ TEST(CudaMoeModel, SeqAuxLossFollowsTheCpuInBf16AndAlongTheCurve) {
   ExpectOneStepMatches(SeqAuxConfig(), Precision::kBf16, 1e-2, 1e-1, "MoE seq_aux_loss");
   const GPTConfig c = SeqAuxConfig();
   ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 20, 1e-3, 5e-2, " MoE seq_aux_loss");
+}
+
+// Aux-loss-free routing (DeepSeek-V3's: sigmoid, the expert bias, groups, shared experts): the bias moved after each
+// step by the step's counts as the CPU model moves it (FinishMoeStep), the same values after 12 steps (fp32: the
+// same choices, so the same counts and signs; the rate 1e-2 makes them matter), read back as checkpoint buffers and
+// written into another model; the curve the CPU's.
+GPTConfig BiasConfig() {
+  GPTConfig c = GroupedConfig(true);
+  c.moe_router_enable_expert_bias = true;
+  c.moe_router_bias_update_rate = 1e-2;
+  c.moe_aux_loss_coeff = 0;
+  return c;
+}
+
+TEST(CudaMoeModel, ExpertBiasMovesAsTheCpusAndIsACheckpointBuffer) {
+  const GPTConfig c = BiasConfig();
+  const Batches data(10, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, Precision::kFp32);
+  ASSERT_TRUE(gpu);
+  const std::vector<double> ref = Curve(cpu.get(), data, 12), run = Curve(gpu.get(), data, 12);
+  ASSERT_EQ(run.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(run[i], ref[i], 1e-3 * ref[i]) << "step " << i + 1;
+  const ModelBuffers want = cpu->ReadBuffers(), got = gpu->ReadBuffers();
+  ASSERT_EQ(got.size(), 2u);  // the two MoE layers' routers
+  ASSERT_EQ(want.size(), got.size());
+  double moved = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first);
+    ASSERT_EQ(got[i].second.size(), want[i].second.size());
+    for (size_t e = 0; e < got[i].second.size(); ++e) {
+      EXPECT_NEAR(got[i].second[e], want[i].second[e], 1e-6) << got[i].first << " expert " << e;
+      moved += std::fabs(got[i].second[e]);
+    }
+  }
+  EXPECT_GT(moved, 0);
+  auto other = Cuda(c, Precision::kBf16);
+  ASSERT_TRUE(other);
+  ASSERT_TRUE(other->WriteBuffers(got).ok());
+  EXPECT_EQ(other->ReadBuffers(), got);
+  EXPECT_FALSE(other->WriteBuffers({}).ok());  // a checkpoint without the biases
+  ModelBuffers wrong = got;
+  wrong[0].second.pop_back();
+  EXPECT_FALSE(other->WriteBuffers(wrong).ok());
+  ExpectCurvesFollowTheCpu(c, data, 20, 1e-3, 5e-2, " MoE expert bias");
 }
 
 TEST(CudaMoeModel, Bf16StepFollowsTheCpu) {

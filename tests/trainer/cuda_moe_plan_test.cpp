@@ -119,7 +119,7 @@ TEST(CudaMoePlan, LayerBuffersAreAlignedDisjointAndSized) {
   s.sigmoid = false;
   EXPECT_EQ(PlanMoeBuffers(s).gates, -1);
   for (int64_t f : {b.shared_fc1, b.shared_act, b.shared_y, b.shared_gate, b.shared_add, b.shared_dy, b.shared_dact,
-                    b.shared_dfc1, b.shared_dx, b.shared_dlogit, b.plain, b.seq_colsum})
+                    b.shared_dfc1, b.shared_dx, b.shared_dlogit, b.plain, b.seq_colsum, b.bias})
     EXPECT_EQ(f, -1) << "no shared experts, groups or seq_aux_loss: none of their buffers";
 }
 
@@ -136,6 +136,13 @@ TEST(CudaMoePlan, GroupAndSeqAuxLossBuffersAreSized) {
   EXPECT_EQ(grouped.scratch_bytes, none.scratch_bytes + 512);
   EXPECT_EQ(grouped.saved_bytes, none.saved_bytes);
   s.grouped = false;
+  s.biased = true;  // the expert bias: the plain top-k and the bias (6 floats) after it
+  const MoeBuffers biased = PlanMoeBuffers(s);
+  EXPECT_EQ(biased.plain, none.scratch_bytes);
+  EXPECT_EQ(biased.bias, biased.plain + 512);
+  EXPECT_EQ(biased.scratch_bytes, biased.bias + 256);
+  EXPECT_EQ(grouped.bias, -1);
+  s.biased = false;
   s.seq_tokens = 20;  // 3 sequences
   EXPECT_EQ(s.seqs(), 3);
   const MoeBuffers seq = PlanMoeBuffers(s);
@@ -250,6 +257,11 @@ TEST(CudaMoePlan, SharedExpertBuffersAreAlignedDisjointAndSized) {
   EXPECT_EQ(s.shared_ffn, 80);
   EXPECT_EQ(s.shared_fc1_rows, 160);
   EXPECT_TRUE(s.shared_gate);
+  EXPECT_FALSE(s.biased);
+  c.moe_router_enable_expert_bias = true;
+  EXPECT_FALSE(MoeShapeOf(c, 16, 4).biased);  // the bias is the sigmoid router's
+  c.moe_router_sigmoid = true;
+  EXPECT_TRUE(MoeShapeOf(c, 16, 4).biased);
   c.moe_shared_expert_intermediate_size = 0;  // the gate flag alone: no shared experts
   EXPECT_FALSE(MoeShapeOf(c, 16, 4).shared_gate);
   EXPECT_EQ(MoeShapeOf(c, 16, 4).shared_ffn, 0);

@@ -7,11 +7,12 @@
 // sums only), the load-balancing and z-losses within 1e-5 relative. bf16: the inputs and weights rounded to bf16
 // for both (so both routers see the same values and choose alike), the output and gradients within 3e-2
 // relative L2 (8-bit mantissas in the products and activations). Every pass twice: the same bits (no atomics).
-// seq_aux_loss: its value within 1e-5 relative of its definition's (trainer/cpu/moe_balance.cpp's formula, here in
-// the test: the CPU's lives in its model) and its gradient among the router's. Group-limited routing (softmax,
-// pre-softmax, sigmoid): the same choices as the CPU's, the load-balancing loss's
-// counts from each token's plain top-k equal to the CPU's. Shared experts (with and without their sigmoid gate) the
-// same, against trainer/cpu/shared_experts_cpu.h; the gate's own ops against their fp32 definitions within 1e-5
+// The expert bias (on the host, uploaded by the layer): the same choices as the CPU's biased ones, the
+// load-balancing loss counting the plain top-k. seq_aux_loss: its value within 1e-5 relative of its definition's
+// (trainer/cpu/moe_balance.cpp's formula, here in the test: the CPU's lives in its model) and its gradient among the
+// router's. Group-limited routing (softmax, pre-softmax, sigmoid): the same choices as the CPU's, the load-balancing
+// loss's counts from each token's plain top-k equal to the CPU's. Shared experts (with and without their sigmoid gate)
+// the same, against trainer/cpu/shared_experts_cpu.h; the gate's own ops against their fp32 definitions within 1e-5
 // relative (1e-4 for the sums over a row or column).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -46,10 +47,11 @@ struct Case {
   bool shared_gate = false;
   int64_t groups = 0, group_topk = 0;  // group-limited routing (group_topk 0: none)
   int64_t seq = 0;                     // seq_aux_loss: each sequence's tokens (0: none)
+  std::vector<float> bias = {};        // the expert bias (sigmoid; empty: none)
 };
 
 std::vector<Case> Cases() {
-  return {
+  std::vector<Case> cases = {
       {45, 24, 4, 2, 20, cpu::MlpActivation::kGelu, false, false, 0, "gelu softmax top-2 of 4, seq_aux_loss", 0, false,
        0, 0, 15},
       {37, 16, 6, 3, 12, cpu::MlpActivation::kSwiglu, true, false, 2.5, "swiglu sigmoid top-3 of 6 scaled"},
@@ -64,6 +66,13 @@ std::vector<Case> Cases() {
        2, 21},
       {23, 12, 16, 2, 6, cpu::MlpActivation::kGelu, false, true, 0, "pre-softmax top-2 in 1 of 8 groups", 0, false, 8,
        1}};
+  // The expert bias (aux-loss-free routing), alone and with groups: it moves the choices, not the probabilities.
+  cases.push_back({36, 16, 8, 2, 8, cpu::MlpActivation::kGelu, true, false, 0, "sigmoid top-2 with the expert bias"});
+  cases.back().bias = Normal(8, 17, 0.0f, 0.3f);
+  cases.push_back({36, 16, 8, 2, 8, cpu::MlpActivation::kSwiglu, true, false, 2.5,
+                   "sigmoid top-2 in 2 of 4 groups with the expert bias and shared experts", 16, false, 4, 2, 12});
+  cases.back().bias = Normal(8, 18, 0.0f, 0.3f);
+  return cases;
 }
 
 cpu::SharedExpertSettings SharedSettings(const Case& k) {
@@ -85,6 +94,7 @@ cpu::MoeSettings CpuSettings(const Case& k) {
   s.scaling = k.scaling;
   s.groups = k.groups;
   s.group_topk = k.group_topk;
+  s.expert_bias = k.bias.empty() ? nullptr : k.bias.data();
   return s;
 }
 
@@ -101,6 +111,7 @@ MoeLayerSpec GpuSpec(const Case& k, int64_t act_bytes) {
   s.routing.pre_softmax = k.pre_softmax, s.routing.scaling = static_cast<float>(k.scaling);
   s.routing.groups = k.groups, s.routing.group_topk = k.group_topk;
   s.shape.grouped = k.group_topk > 0;
+  s.shape.biased = !k.bias.empty();
   s.shape.seq_tokens = k.seq;
   s.activation = k.act == cpu::MlpActivation::kSwiglu        ? MoeActivation::kSwiglu
                  : k.act == cpu::MlpActivation::kSquaredRelu ? MoeActivation::kSquaredRelu
@@ -127,10 +138,13 @@ TEST(MoeCuda, RouterMatchesTheCpuRouter) {
     cpu::MoeRouterForward(&a, x.data(), w.data(), k.n, k.c, s);
     DeviceArray<float> logits(a.logits), scores(k.n * k.E), gates(k.n * k.E), prob(k.n * k.K), lse(k.n), colsum(k.E);
     DeviceArray<int32_t> expert(k.n * k.K), plain(k.n * k.K);
-    const MoeLayerSpec spec = GpuSpec(k, 4);
+    DeviceArray<float> bias(k.bias);
+    MoeRouting routing = GpuSpec(k, 4).routing;
+    if (!k.bias.empty()) routing.expert_bias = bias.get();
     ASSERT_OK(MoeRouteForward(scores.get(), gates.get(), prob.get(), expert.get(), lse.get(), plain.get(), logits.get(),
-                              k.n, spec.routing, gpu.ctx));
-    if (k.group_topk > 0) {  // the load-balancing loss's counts: each token's plain top-k, as the CPU counts them
+                              k.n, routing, gpu.ctx));
+    if (k.group_topk > 0 ||
+        !k.bias.empty()) {  // the load-balancing loss's counts: each token's plain top-k, as the CPU counts them
       std::vector<float> counts;
       ASSERT_OK(MoeRoutingCounts(&counts, plain.Download().data(), k.n, k.K, k.E));
       ASSERT_EQ(a.group_count.size(), counts.size()) << k.name;
@@ -245,8 +259,12 @@ void ExpectLayerMatches(const Case& k, double tol) {
   DeviceArray<T> gx(ToT<T>(in.x)), gwr(ToT<T>(in.wr)), gwe(ToT<T>(in.we)), gdout(ToT<T>(in.dout)), gout(k.n * k.c),
       gdx(k.n * k.c), gws1(ToT<T>(in.ws1)), gws2(ToT<T>(in.ws2)), gwg(ToT<T>(in.wg));
   const bool shared = k.shared_ffn > 0;
-  const MoeWeights<T> w{gwr.get(), gwe.get(), shared ? gws1.get() : nullptr, shared ? gws2.get() : nullptr,
-                        k.shared_gate ? gwg.get() : nullptr};
+  const MoeWeights<T> w{gwr.get(),
+                        gwe.get(),
+                        shared ? gws1.get() : nullptr,
+                        shared ? gws2.get() : nullptr,
+                        k.shared_gate ? gwg.get() : nullptr,
+                        k.bias.empty() ? nullptr : k.bias.data()};
   DeviceArray<char> saved(b.saved_bytes), scratch(b.scratch_bytes);
   std::vector<std::vector<float>> first;
   for (int run = 0; run < 2; ++run) {
@@ -331,6 +349,14 @@ TEST(MoeCuda, RefusesBadShapes) {
             absl::StatusCode::kInvalidArgument);
   const MoeWeights<float> gated{f.get(), f.get(), f.get(), f.get(), f.get()};
   EXPECT_EQ(MoeLayerForward<float>(f.get(), f.get(), gated, shared, nullptr, nullptr, &host, {}, gpu.ctx).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The expert bias: missing where the shape has it, or on a softmax router.
+  const MoeLayerSpec biased = GpuSpec(Cases()[9], 4);
+  ASSERT_TRUE(biased.shape.biased);
+  EXPECT_EQ(MoeLayerForward<float>(f.get(), f.get(), w, biased, nullptr, nullptr, &host, {}, gpu.ctx).code(),
+            absl::StatusCode::kInvalidArgument);
+  r.expert_bias = f.get();
+  EXPECT_EQ(MoeRouteForward(f.get(), f.get(), f.get(), i.get(), f.get(), nullptr, f.get(), 2, r, gpu.ctx).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -599,8 +599,6 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
              "--context-parallel-size 2",
        "usage error: --moe-router-load-balancing-type global_aux_loss with --context-parallel-size 2"},
-      {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
-       "usage error: --num-experts 4 with --moe-router-enable-expert-bias on --device cuda"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap",
        "usage error: --moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (the default): Megatron's "
@@ -668,13 +666,16 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
     EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
   }
   // The CUDA backend's dropless, data-parallel MoE (aux_loss, z-loss, scaling, pre-softmax, sigmoid; shared experts,
-  // group-limited routing, seq_aux_loss) is planned.
-  for (const char* cuda : {" --dry-run --bf16",
-                           " --dry-run --device cuda --moe-router-score-function sigmoid "
-                           "--moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2",
-                           " --dry-run --bf16 --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate "
-                           "--moe-router-score-function sigmoid --moe-router-num-groups 2 --moe-router-group-topk 1 "
-                           "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.01"}) {
+  // group-limited routing, seq_aux_loss, the expert bias) is planned.
+  for (const char* cuda :
+       {" --dry-run --bf16",
+        " --dry-run --device cuda --moe-router-score-function sigmoid "
+        "--moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2",
+        " --dry-run --bf16 --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate "
+        "--moe-router-score-function sigmoid --moe-router-num-groups 2 --moe-router-group-topk 1 "
+        "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.01",
+        " --dry-run --device cuda --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-router-load-balancing-type none"}) {
     auto planned = RunCmd(base + moe + cuda);
     EXPECT_EQ(planned.exit_code, 0) << cuda << "\n" << planned.output;
   }

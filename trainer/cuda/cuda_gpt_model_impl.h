@@ -463,6 +463,14 @@ class CudaGPTModelImpl final : public GPTModel {
   MoeLayerSpec MoeSpec() const;                             // the pass's MoE layer shape (seq_aux_loss: t_ each)
   MoeBalanceLosses TakeMoeBalanceLosses() override;         // seq_aux_loss's values since the last call
   MoeBalanceLosses moe_balance_sums_;
+  // cuda_moe_bias.cpp: --moe-router-enable-expert-bias, per layer of the stage on the host: the bias (E) and the
+  // tokens each expert got since the last step (moe_balance.cpp's state); the update and the checkpoint buffers.
+  std::vector<std::pair<std::vector<float>, std::vector<double>>> moe_bias_;
+  std::pair<std::vector<float>, std::vector<double>>& MoeBiasOf(int64_t l);
+  std::string ExpertBiasName(int64_t l) const;
+  absl::Status FinishMoeStep() override;
+  ModelBuffers ReadBuffers() const override;
+  absl::Status WriteBuffers(const ModelBuffers& in) override;
   absl::Status MoeMlpBackward(int64_t l, const T* dmlp);
   std::vector<MoeLayerHost> moe_host_;  // per layer of the stage: what the forward left for backward
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;

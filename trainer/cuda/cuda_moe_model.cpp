@@ -4,6 +4,7 @@
 // kept for the log and their gradients injected with the step's scale in backward, as Megatron's
 // MoEAuxLossAutoScaler does.
 #include <utility>
+#include <vector>
 
 #include <fmt/core.h>
 
@@ -40,10 +41,10 @@ absl::Status CudaGPTModelImpl<T>::MoeMlpForward(int64_t l, bool train) {
         "MoE layer {}: the CUDA backend runs mixture-of-experts layers data-parallel only, with their buffers "
         "planned",
         l));
-  if (cf.moe_router_enable_expert_bias || cf.moe_expert_capacity_factor >= 0 || cf.moe_global_aux_loss_coeff > 0)
+  if (cf.moe_expert_capacity_factor >= 0 || cf.moe_global_aux_loss_coeff > 0)
     return absl::UnimplementedError(fmt::format(
-        "MoE layer {}: the CUDA backend has no expert bias, token dropping or global_aux_loss (trainer/backend.cpp "
-        "refuses them first)",
+        "MoE layer {}: the CUDA backend has no token dropping or global_aux_loss (trainer/backend.cpp refuses them "
+        "first)",
         l));
   if (moe_host_.size() < layout().layers.size()) moe_host_.resize(layout().layers.size());
   MoeLayerHost& h = moe_host_[static_cast<size_t>(SlotLayer(l))];
@@ -51,10 +52,17 @@ absl::Status CudaGPTModelImpl<T>::MoeMlpForward(int64_t l, bool train) {
   const MoeLossFlags losses{train && cf.moe_aux_loss_coeff > 0, train && cf.moe_z_loss_coeff > 0,
                             train && cf.moe_seq_aux_loss_coeff > 0};
   const int64_t c = cf.hidden_size, k = MoeLayersIn(cf, chunk_layer_begin(), l);
+  const MoeLayerSpec spec = MoeSpec();
+  MoeWeights<T> w = MoeWeightsOf(lp);
+  if (spec.shape.biased) w.expert_bias = MoeBiasOf(l).first.data();  // cuda_moe_bias.cpp
   PTK_RETURN_IF_ERROR(Op("moe", "moe layer (router, dispatch, experts)",
-                         MoeLayerForward<T>(Buf<T>(plan_.tmp), Act(plan_.ln2, l, n_ * c), MoeWeightsOf(lp), MoeSpec(),
+                         MoeLayerForward<T>(Buf<T>(plan_.tmp), Act(plan_.ln2, l, n_ * c), w, spec,
                                             Buf<char>(plan_.moe_saved) + k * plan_.moe_saved_bytes,
                                             Buf<char>(plan_.moe_scratch), &h, losses, ctx_)));
+  if (train && spec.shape.biased) {  // the dispatch's counts (the biased routing map), for the step's update
+    std::vector<double>& tokens = MoeBiasOf(l).second;
+    for (size_t e = 0; e < tokens.size(); ++e) tokens[e] += static_cast<double>(h.plan.counts[e]);
+  }
   moe_aux_sum_ += h.aux_loss;
   moe_z_sum_ += h.z_loss;
   moe_balance_sums_.seq += h.seq_loss;

@@ -21,15 +21,21 @@ __device__ __forceinline__ bool Chosen(const int32_t* chosen, int64_t k, int64_t
   return false;
 }
 
-// The k largest of v (E values) into chosen, by descending value, the lower index first among equals (strictly
-// larger wins); with a group mask the experts outside the masked groups of `per` count as -inf.
-__device__ void TopK(int32_t* chosen, const float* v, int64_t E, int64_t K, uint64_t mask = 0, int64_t per = 1) {
+// v[e] + bias[e] (bias null: v[e]), in fp32 as the CPU's biased scores.
+__device__ __forceinline__ float Biased(const float* v, const float* bias, int64_t e) {
+  return bias != nullptr ? v[e] + bias[e] : v[e];
+}
+
+// The k largest of v (+ bias) (E values) into chosen, by descending value, the lower index first among equals
+// (strictly larger wins); with a group mask the experts outside the masked groups of `per` count as -inf.
+__device__ void TopK(int32_t* chosen, const float* v, int64_t E, int64_t K, uint64_t mask = 0, int64_t per = 1,
+                     const float* bias = nullptr) {
   for (int64_t k = 0; k < K; ++k) {
     int32_t best = -1;
     float bv = 0;
     for (int64_t e = 0; e < E; ++e) {
       if (Chosen(chosen, k, e)) continue;
-      const float x = mask == 0 || (mask >> (e / per) & 1) != 0 ? v[e] : -INFINITY;
+      const float x = mask == 0 || (mask >> (e / per) & 1) != 0 ? Biased(v, bias, e) : -INFINITY;
       if (best < 0 || x > bv) best = static_cast<int32_t>(e), bv = x;
     }
     chosen[k] = best;
@@ -38,15 +44,16 @@ __device__ void TopK(int32_t* chosen, const float* v, int64_t E, int64_t K, uint
 
 // cpu Choose: the K largest of v, or under group-limited routing the K largest within the group_topk groups
 // whose topk / group_topk largest values add up to the most (each group's sum in descending order).
-__device__ void Choose(int32_t* chosen, const float* v, const MoeRouting& r) {
+__device__ void Choose(int32_t* chosen, const float* v, const float* bias, const MoeRouting& r) {
   const int64_t E = r.experts, K = r.topk;
-  if (r.group_topk == 0) return TopK(chosen, v, E, K);
+  if (r.group_topk == 0) return TopK(chosen, v, E, K, 0, 1, bias);
   const int64_t per = E / r.groups, take = K / r.group_topk;
   float sum[kMaxGroups];
   for (int64_t g = 0; g < r.groups; ++g) {
-    TopK(chosen, v + g * per, per, take);  // chosen as scratch: take <= K
+    const float* gb = bias != nullptr ? bias + g * per : nullptr;
+    TopK(chosen, v + g * per, per, take, 0, 1, gb);  // chosen as scratch: take <= K
     float s = 0;
-    for (int64_t t = 0; t < take; ++t) s += v[g * per + chosen[t]];
+    for (int64_t t = 0; t < take; ++t) s += Biased(v + g * per, gb, chosen[t]);
     sum[g] = s;
   }
   uint64_t mask = 0;
@@ -56,7 +63,7 @@ __device__ void Choose(int32_t* chosen, const float* v, const MoeRouting& r) {
       if ((mask >> g & 1) == 0 && (best < 0 || sum[g] > sum[best])) best = g;
     mask |= uint64_t{1} << best;
   }
-  TopK(chosen, v, E, K, mask, per);
+  TopK(chosen, v, E, K, mask, per, bias);
 }
 
 __global__ void RouteForwardKernel(float* scores, float* gates, float* prob, int32_t* expert, float* lse,
@@ -83,7 +90,7 @@ __global__ void RouteForwardKernel(float* scores, float* gates, float* prob, int
       if (r.pre_softmax) pick = sc;
     }
     int32_t* chosen = expert + i * K;
-    Choose(chosen, pick, r);
+    Choose(chosen, pick, r.sigmoid ? r.expert_bias : nullptr, r);
     if (plain != nullptr) TopK(plain + i * K, sc, E, K);  // the load-balancing loss's routing map
     float* p = prob + i * K;
     if (r.sigmoid) {
@@ -236,17 +243,20 @@ __global__ void RouteBackwardKernel(float* dlogits, const float* logits, const f
 }
 
 std::string RoutingName(const MoeRouting& r) {
-  return fmt::format("E={}, K={}, {}{}{}", r.experts, r.topk,
+  return fmt::format("E={}, K={}, {}{}{}{}", r.experts, r.topk,
                      r.sigmoid       ? "sigmoid"
                      : r.pre_softmax ? "pre-softmax"
                                      : "softmax",
                      r.scaling != 0 ? fmt::format(", scaling {}", r.scaling) : "",
-                     r.group_topk != 0 ? fmt::format(", top {} of {} groups", r.group_topk, r.groups) : "");
+                     r.group_topk != 0 ? fmt::format(", top {} of {} groups", r.group_topk, r.groups) : "",
+                     r.expert_bias != nullptr ? ", expert bias" : "");
 }
 
 absl::Status CheckRouting(const MoeRouting& r, const std::function<std::string()>& where) {
   if (r.experts < 1 || r.topk < 1 || r.topk > r.experts || r.experts > (int64_t{1} << 30))
     return absl::InvalidArgumentError(fmt::format("{}: top-{} of {} experts", where(), r.topk, r.experts));
+  if (r.expert_bias != nullptr && !r.sigmoid)
+    return absl::InvalidArgumentError(fmt::format("{}: the expert bias needs the sigmoid score function", where()));
   if (r.group_topk != 0 &&
       (r.groups < 1 || r.groups > kMaxGroups || r.experts % r.groups != 0 || r.group_topk < 1 ||
        r.group_topk > r.groups || r.topk % r.group_topk != 0 || r.topk > r.group_topk * (r.experts / r.groups)))

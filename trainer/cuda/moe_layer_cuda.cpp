@@ -81,7 +81,8 @@ absl::Status PlanDispatch(const MoeLayerSpec& spec, char* saved, char* scratch, 
                           const MoeLossFlags& losses, const CudaContext& ctx) {
   const MoeShape& s = spec.shape;
   const int64_t n = s.n, E = s.experts, K = s.topk;
-  const bool aux = losses.aux, seq = losses.seq && s.seq_tokens > 0, plain = (aux && s.grouped) || seq;
+  const bool aux = losses.aux, seq = losses.seq && s.seq_tokens > 0;
+  const bool plain_aux = aux && (s.grouped || s.biased), plain = plain_aux || seq;
   PTK_RETURN_IF_ERROR(ToHost(&host->expert, At<int32_t>(saved, b.expert), n * K, "the router's choices", ctx));
   PTK_RETURN_IF_ERROR(ToHost(&host->colsum, At<float>(scratch, b.colsum), aux ? E : 0, "the scores' sums", ctx));
   PTK_RETURN_IF_ERROR(
@@ -93,7 +94,7 @@ absl::Status PlanDispatch(const MoeLayerSpec& spec, char* saved, char* scratch, 
                            fmt::format("MoE: the router over {} tokens and {} experts", n, E));
   PTK_RETURN_IF_ERROR(BuildMoeDispatch(&host->plan, host->expert.data(), n, K, E));
   host->aux_counts = host->plan.counts;
-  if (aux && s.grouped)  // the load-balancing loss counts each token's plain top-k
+  if (plain_aux)  // the load-balancing loss counts each token's plain top-k
     PTK_RETURN_IF_ERROR(MoeRoutingCounts(&host->aux_counts, host->plain.data(), n, K, E));
   host->seq_counts.clear();
   if (seq) PTK_RETURN_IF_ERROR(MoeRoutingCounts(&host->seq_counts, host->plain.data(), n, K, E, s.seq_tokens));
@@ -223,6 +224,16 @@ absl::Status MoeLayerForward(T* out, const T* x, const MoeWeights<T>& w, const M
   const MoeBuffers b = PlanMoeBuffers(s);
   const int64_t n = s.n, c = s.c, E = s.experts, K = s.topk, f = s.ffn, f1 = s.fc1_rows, rows = s.rows();
   const int64_t per_expert = (f1 + f) * c;
+  MoeRouting routing = spec.routing;
+  if (s.biased != (w.expert_bias != nullptr))
+    return absl::InvalidArgumentError(fmt::format("MoE layer over {} tokens: the expert bias {} the shape's", n,
+                                                  s.biased ? "missing, as" : "given, not"));
+  if (s.biased) {  // pageable: the copy has left the host's values once it returns
+    routing.expert_bias = At<float>(scratch, b.bias);
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At<float>(scratch, b.bias), w.expert_bias, E * sizeof(float),
+                                             cudaMemcpyHostToDevice, ctx.stream),
+                             "MoE: uploading the expert bias");
+  }
   const float *xf = nullptr, *wf = nullptr;
   PTK_RETURN_IF_ERROR(RouterInputs<T>(&xf, &wf, x, w.router, spec, scratch, b, ctx));
   float* logits = At<float>(saved, b.logits);
@@ -231,7 +242,7 @@ absl::Status MoeLayerForward(T* out, const T* x, const MoeWeights<T>& w, const M
   float* gates = s.sigmoid ? At<float>(saved, b.gates) : nullptr;
   PTK_RETURN_IF_ERROR(MoeRouteForward(scores, gates, At<float>(saved, b.prob), At<int32_t>(saved, b.expert),
                                       At<float>(saved, b.lse), b.plain >= 0 ? At<int32_t>(scratch, b.plain) : nullptr,
-                                      logits, n, spec.routing, ctx));
+                                      logits, n, routing, ctx));
   if (losses.aux) PTK_RETURN_IF_ERROR(MoeScoreColumnSums(At<float>(scratch, b.colsum), scores, n, E, ctx));
   if (losses.seq && s.seq_tokens > 0)
     PTK_RETURN_IF_ERROR(MoeScoreColumnSums(At<float>(scratch, b.seq_colsum), scores, n, E, ctx, s.seq_tokens));

@@ -52,6 +52,7 @@ struct MoeLayerHost {
 template <typename T>
 struct MoeWeights {
   const T *router = nullptr, *experts = nullptr, *shared_fc1 = nullptr, *shared_fc2 = nullptr, *shared_gate = nullptr;
+  const float* expert_bias = nullptr;  // on the host (E): the router's bias where spec.shape.biased (else null)
 };
 // Their gradients in fp32, added to (the shared ones null without shared experts, or without the gate).
 struct MoeGrads {

@@ -10,13 +10,16 @@
 
 namespace ptk::cuda {
 
-// The router's settings the kernels read (cpu::MoeSettings' dropless, unbiased part).
+// The router's settings the kernels read (cpu::MoeSettings' dropless part).
 struct MoeRouting {
   int64_t experts = 0, topk = 0;
   bool pre_softmax = false, sigmoid = false;
   float scaling = 0;  // --moe-router-topk-scaling-factor (0: none)
   // Group-limited routing (group_topk 0: none; at most 64 groups): cpu::MoeSettings' groups and group_topk.
   int64_t groups = 0, group_topk = 0;
+  // Aux-loss-free routing (sigmoid only; null: none): the experts' bias (E, on the device) added to the sigmoids
+  // that choose the top k, not to the probabilities (cpu::MoeSettings' expert_bias).
+  const float* expert_bias = nullptr;
 };
 
 // One thread per token, from the fp32 logits (n, E): scores (n, E) (the softmax over all experts, or under

@@ -54,8 +54,9 @@ MoeBuffers PlanMoeBuffers(const MoeShape& s) {
   b.dlogits = Take(&at, n * E * 4);
   b.dx_router = Take(&at, n * s.c * 4);
   b.dscore = Take(&at, std::max<int64_t>(s.seqs(), 1) * E * 4);
-  if (s.grouped || s.seq_tokens > 0) b.plain = Take(&at, n * K * 4);
+  if (s.grouped || s.biased || s.seq_tokens > 0) b.plain = Take(&at, n * K * 4);
   if (s.seq_tokens > 0) b.seq_colsum = Take(&at, s.seqs() * E * 4);
+  if (s.biased) b.bias = Take(&at, E * 4);
   if (shared) {
     b.shared_add = b.dx_router;
     b.shared_dy = Take(&at, n * s.c * t);
@@ -82,6 +83,7 @@ MoeShape MoeShapeOf(const GPTConfig& cf, int64_t n, int64_t act_bytes) {
   s.shared_fc1_rows = (cf.swiglu ? 2 : 1) * s.shared_ffn;
   s.shared_gate = s.shared_ffn > 0 && cf.moe_shared_expert_gate;
   s.grouped = cf.moe_router_group_topk > 0;
+  s.biased = cf.moe_router_enable_expert_bias && cf.moe_router_sigmoid;
   s.seq_tokens = cf.moe_seq_aux_loss_coeff > 0 ? cf.seq_length : 0;
   return s;
 }

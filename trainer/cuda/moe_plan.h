@@ -26,6 +26,7 @@ struct MoeShape {
   int64_t shared_ffn = 0, shared_fc1_rows = 0;
   bool shared_gate = false;
   bool grouped = false;    // group-limited routing: the load-balancing loss counts each token's plain top-k
+  bool biased = false;     // the expert bias (sigmoid): likewise, and the bias uploaded for the router
   int64_t seq_tokens = 0;  // seq_aux_loss (0: none): each sequence's tokens, S (n a multiple of it)
   int64_t seqs() const { return seq_tokens > 0 ? n / seq_tokens : 0; }
   int64_t rows() const { return n * topk; }
@@ -52,10 +53,11 @@ struct MoeBuffers {
   int64_t xf = 0, wf = 0, colsum = 0, rows = 0, dscaled = 0, dfc1 = 0, dx_rows = 0, dprob = 0, dlogits = 0,
           dx_router = 0;
   // scratch: dscore (max(seqs, 1), E) the load-balancing losses' score gradients (MoeScoreGradients: one row per
-  // sequence under seq_aux_loss, else one); under group-limited routing or seq_aux_loss (-1 otherwise) plain (n, K)
+  // sequence under seq_aux_loss, else one); under group-limited routing, the bias or seq_aux_loss (-1) plain (n, K)
   // int32 each token's plain top-k (the losses' routing map, copied to the host where its counts are taken); under
   // seq_aux_loss (-1 otherwise) seq_colsum (seqs, E) the scores' sums per sequence.
-  int64_t dscore = 0, plain = -1, seq_colsum = -1;
+  // With the expert bias (-1 otherwise; plain too) bias (E) its values for the router.
+  int64_t dscore = 0, plain = -1, seq_colsum = -1, bias = -1;
   // scratch, shared experts only (-1 otherwise): shared_add (n, c) their output (x the gate) in fp32 for the
   // un-permute (forward; dx_router's place, which only backward uses); shared_dy (n, c) T fc2's output gradient
   // (in forward without the gate fc2's output itself); shared_dact (n, shared_ffn) T; shared_dfc1 (n,
