@@ -339,7 +339,8 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
     return UsageError(fmt::format(
         "--expert-model-parallel-size {} with --device cuda: expert parallelism runs on the CPU backend only",
         f.moe.expert_parallel));
-  // The CUDA backend's MoE layers (trainer/cuda/moe_layer_cuda.h): dropless, data-parallel, aux_loss and z-loss.
+  // The CUDA backend's MoE layers (trainer/cuda/moe_layer_cuda.h): dropless, data-parallel, aux_loss and z-loss,
+  // seq_aux_loss, shared experts, group-limited routing (at most 64 groups), the expert bias.
   auto refuse = [&](const std::string& what) {
     return UsageError(fmt::format(
         "--num-experts {} with {} on --device cuda (or --bf16 / --fp16: the CUDA backend's): its mixture-of-experts "
@@ -351,14 +352,14 @@ absl::Status RefuseMoeDevice(const TrainFlags& f, Device device) {
   if (f.pipeline_model_parallel_size > 1)
     return refuse(fmt::format("--pipeline-model-parallel-size {}", f.pipeline_model_parallel_size));
   if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
-  if (f.moe.num_groups || f.moe.group_topk) return refuse("group-limited routing (--moe-router-num-groups)");
-  if (f.moe.enable_expert_bias) return refuse("--moe-router-enable-expert-bias");
+  if (f.moe.group_topk && f.moe.num_groups && *f.moe.num_groups > 64)
+    return refuse(
+        fmt::format("--moe-router-num-groups {} (the CUDA router takes at most 64 groups)", *f.moe.num_groups));
   for (const std::string& type : f.moe.load_balancing_type)
-    if (type != "aux_loss" && type != "none") return refuse(fmt::format("--moe-router-load-balancing-type {}", type));
+    if (type != "aux_loss" && type != "seq_aux_loss" && type != "none")
+      return refuse(fmt::format("--moe-router-load-balancing-type {}", type));
   if (f.moe.capacity_factor && *f.moe.capacity_factor >= 0)
     return refuse(fmt::format("--moe-expert-capacity-factor {} (token dropping)", *f.moe.capacity_factor));
-  if (f.moe.shared_expert_size && *f.moe.shared_expert_size > 0)
-    return refuse("shared experts (--moe-shared-expert-intermediate-size)");
   return absl::OkStatus();
 }
 

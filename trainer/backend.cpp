@@ -115,20 +115,19 @@ cuda::ModelOptions CudaModuleOptions(const BackendOptions& backend) {
 }
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
-  // The CUDA backend's MoE layers (trainer/cuda/cuda_moe_model.cpp) are dropless and data-parallel, with aux_loss
-  // and the z-loss; the rest runs on the CPU passes (cpu_moe_layer.cpp). ptk-train refuses it by flag first.
+  // The CUDA backend's MoE layers (trainer/cuda/cuda_moe_model.cpp) are dropless and data-parallel, with aux_loss,
+  // seq_aux_loss, the z-loss, shared experts, group-limited routing and the expert bias; the rest runs on the CPU
+  // passes (cpu_moe_layer.cpp). ptk-train refuses it by flag first.
   if (config.moe() && backend.device != Device::kCpu) {
     const auto several = [](const Communicator* c) { return c != nullptr && c->size() > 1; };
     const char* missing = several(backend.tensor_comm) || several(backend.context_comm) ||
                                   several(backend.expert_comm) || backend.pipeline_stage.size > 1
                               ? "model parallelism"
-                          : config.moe_router_group_topk > 0       ? "group-limited routing"
-                          : config.moe_router_enable_expert_bias   ? "the expert bias"
+                          : config.moe_router_group_topk > 0 && config.moe_router_num_groups > 64
+                              ? "group-limited routing over more than 64 groups"
                           : config.moe_expert_capacity_factor >= 0 ? "token dropping"
-                          : config.moe_seq_aux_loss_coeff > 0 || config.moe_global_aux_loss_coeff > 0
-                              ? "seq_aux_loss / global_aux_loss"
-                          : config.moe_shared_expert_intermediate_size > 0 ? "shared experts"
-                                                                           : nullptr;
+                          : config.moe_global_aux_loss_coeff > 0   ? "global_aux_loss"
+                                                                   : nullptr;
     if (missing != nullptr)
       return absl::UnimplementedError(fmt::format(
           "num_experts {}: the CUDA backend's mixture-of-experts layers have no {}; it runs on the CPU backend",

@@ -277,8 +277,22 @@ TEST(MoeModel, OtherBackendsAndLayoutsAreRefused) {
   BackendOptions cuda;
   cuda.device = Device::kCuda;
   // The CUDA backend's MoE is dropless and data-parallel: what it lacks is refused before the device is looked for.
-  c.moe_shared_expert_intermediate_size = 8;
+  c.moe_global_aux_loss_coeff = 0.01;
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  c.moe_global_aux_loss_coeff = 0;
+  // Shared experts, group-limited routing and seq_aux_loss run on CUDA: not refused as missing there.
+  c.moe_shared_expert_intermediate_size = 8;
+  c.moe_router_num_groups = 2;
+  c.moe_router_group_topk = 1;
+  c.moe_seq_aux_loss_coeff = 0.01;
+  const absl::Status runs = CreateModel(c, cuda).status();
+  EXPECT_EQ(runs.message().find("mixture-of-experts layers have no"), std::string_view::npos) << runs;
+  c.moe_router_num_groups = 128;  // more groups than the CUDA router's mask
+  c.num_experts = 128;
+  EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  c.num_experts = 4;
+  c.moe_router_num_groups = c.moe_router_group_topk = 0;
+  c.moe_seq_aux_loss_coeff = 0;
   c.moe_shared_expert_intermediate_size = 0;
   c.moe_expert_capacity_factor = 1.0;
   EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);

@@ -593,15 +593,14 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 --dry-run "
              "--pipeline-model-parallel-size 3",
        "usage error: --moe-router-load-balancing-type seq_aux_loss with --pipeline-model-parallel-size 3: ptk has not"},
-      {moe + " --moe-router-score-function sigmoid --moe-router-enable-expert-bias --device cuda",
-       "usage error: --num-experts 4 with --moe-router-enable-expert-bias on --device cuda"},
       {moe + " --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: not"},
       {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap",
        "usage error: --moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (the default): Megatron's "
        "overlap works only with the alltoall dispatcher"},
       {moe + " --moe-shared-expert-intermediate-size 0", "--moe-shared-expert-intermediate-size"},
-      {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --device cuda",
-       "usage error: --num-experts 4 with shared experts (--moe-shared-expert-intermediate-size) on --device cuda"},
+      {moe + " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-router-load-balancing-type "
+             "seq_aux_loss global_aux_loss --moe-aux-loss-coeff 0.01 0.01 --device cuda",
+       "usage error: --num-experts 4 with --moe-router-load-balancing-type global_aux_loss on --device cuda"},
       {moe + " --moe-pad-expert-input-to-capacity",
        "usage error: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"},
       {moe + " --moe-expert-capacity-factor -1 --moe-pad-expert-input-to-capacity",
@@ -625,9 +624,9 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --moe-router-group-topk 0", "--moe-router-group-topk"},
       {moe + " --moe-z-loss-coeff -1", "--moe-z-loss-coeff"},
       {moe + " --moe-router-topk-scaling-factor nan", "--moe-router-topk-scaling-factor"},
-      {moe + " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2 --moe-router-num-groups 2 "
-             "--moe-router-group-topk 1 --device cuda",
-       "usage error: --num-experts 4 with group-limited routing (--moe-router-num-groups) on --device cuda"},
+      {" --num-experts 128 --disable-bias-linear --moe-router-num-groups 128 --moe-router-group-topk 2 --device cuda",
+       "usage error: --num-experts 128 with --moe-router-num-groups 128 (the CUDA router takes at most 64 groups) on "
+       "--device cuda"},
       {moe + " --moe-token-dispatcher-type flex", "usage error: --moe-token-dispatcher-type flex:"},
       {moe + " --moe-router-dtype fp64", "usage error: --moe-router-dtype fp64: ptk's router computes in fp32"},
       {moe + " --moe-router-topk 5", "usage error: --moe-router-topk 5 is more than --num-experts 4"},
@@ -646,8 +645,8 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --num-experts 4 with --pipeline-model-parallel-size 3 on --device cuda"},
       {moe + " --dry-run --device cuda --context-parallel-size 2",
        "usage error: --num-experts 4 with --context-parallel-size 2 on --device cuda"},
-      {moe + " --dry-run --bf16 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
-       "usage error: --num-experts 4 with --moe-router-load-balancing-type seq_aux_loss on --device cuda"},
+      {moe + " --dry-run --bf16 --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01",
+       "usage error: --num-experts 4 with --moe-router-load-balancing-type global_aux_loss on --device cuda"},
       {moe + " --dry-run --tensor-model-parallel-size 2",
        "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
   };
@@ -656,10 +655,17 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
     EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
     EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
   }
-  // The CUDA backend's dropless, data-parallel MoE (aux_loss, z-loss, scaling, pre-softmax, sigmoid) is planned.
-  for (const char* cuda : {" --dry-run --bf16",
-                           " --dry-run --device cuda --moe-router-score-function sigmoid "
-                           "--moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2"}) {
+  // The CUDA backend's dropless, data-parallel MoE (aux_loss, z-loss, scaling, pre-softmax, sigmoid; shared experts,
+  // group-limited routing, seq_aux_loss, the expert bias) is planned.
+  for (const char* cuda :
+       {" --dry-run --bf16",
+        " --dry-run --device cuda --moe-router-score-function sigmoid "
+        "--moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2",
+        " --dry-run --bf16 --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate "
+        "--moe-router-score-function sigmoid --moe-router-num-groups 2 --moe-router-group-topk 1 "
+        "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.01",
+        " --dry-run --device cuda --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-router-load-balancing-type none"}) {
     auto planned = RunCmd(base + moe + cuda);
     EXPECT_EQ(planned.exit_code, 0) << cuda << "\n" << planned.output;
   }

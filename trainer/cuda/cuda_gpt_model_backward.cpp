@@ -29,19 +29,19 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2
     // gradient [dgate; dup] (2f columns).
     T* dact = Buf<T>(plan_.dact);
     PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
-                           MatmulBackward<T>(dact, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f),
+                           MatmulBackward<T>(dact, Grad(lp.fc2_w), dfc2_b, dmlp, MlpAct(plan_.gelu, l, n * f),
                                              Compute(lp.fc2_w), n, f, c, ctx_)));
     PTK_RETURN_IF_ERROR(
-        Op("swiglu", "swiglu backward", SwigluBackward<T>(dff, Act(plan_.fc1, l, n * 2 * f), dact, n, f, ctx_)));
+        Op("swiglu", "swiglu backward", SwigluBackward<T>(dff, MlpAct(plan_.fc1, l, n * 2 * f), dact, n, f, ctx_)));
     return Op("matmul", "fc1 backward",
               MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                 n, c, 2 * f, ctx_));
   }
   if (cf.squared_relu || cf.gelu_exact) {  // fc2's input gradient, then the activation's backward in place
     PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
-                           MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f),
+                           MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, MlpAct(plan_.gelu, l, n * f),
                                              Compute(lp.fc2_w), n, f, c, ctx_)));
-    const T* fc1 = Act(plan_.fc1, l, n * f);
+    const T* fc1 = MlpAct(plan_.fc1, l, n * f);
     PTK_RETURN_IF_ERROR(
         cf.gelu_exact
             ? Op("gelu_exact", "exact gelu backward", GeluExactBackward<T>(dff, fc1, dff, n * f, ctx_))
@@ -52,10 +52,11 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2
   }
   PTK_RETURN_IF_ERROR(
       Op("matmul", "fc2 backward",
-         MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c,
-                           ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+         MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, MlpAct(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c,
+                           ctx_, false, unfused_.gelu_backward ? nullptr : MlpAct(plan_.fc1, l, n * f))));
   if (unfused_.gelu_backward)
-    PTK_RETURN_IF_ERROR(Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("gelu", "gelu backward", GeluBackward<T>(dff, MlpAct(plan_.fc1, l, n * f), dff, n * f, ctx_)));
   return Op("matmul", "fc1 backward",
             MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w), n,
                               c, f, ctx_));

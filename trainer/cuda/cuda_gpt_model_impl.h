@@ -203,6 +203,11 @@ class CudaGPTModelImpl final : public GPTModel {
   }
   // Layer l's place among the slot's layers (the per-layer buffers the memory plan keeps).
   int64_t SlotLayer(int64_t l) const { return l - chunk_layer_begin(); }
+  // Dense layer `layer`'s MLP fc1 or activation (plan_.fc1, plan_.gelu): the plan keeps them for the slot's dense
+  // layers only, in order (a MoE layer keeps its own in moe_saved).
+  T* MlpAct(int index, int64_t layer, int64_t per_layer) const {
+    return Buf<T>(index) + (SlotLayer(layer) - MoeLayersIn(config(), chunk_layer_begin(), layer)) * per_layer;
+  }
 
   // cuda_gpt_model_ops.cpp: each op through Op, each synchronisation through Sync.
   // An error here may come from any op enqueued since the last synchronisation (kernels fault
@@ -454,6 +459,18 @@ class CudaGPTModelImpl final : public GPTModel {
   // into tmp, its training pass's load-balancing and z-loss values added to moe_aux_sum_ and moe_z_sum_; its
   // backward from dmlp into dln (assigned, as MlpBackward's), the router's and experts' gradients added to.
   absl::Status MoeMlpForward(int64_t l, bool train);
+  MoeWeights<T> MoeWeightsOf(const LayerParams& lp) const;  // the layer's router, experts and shared experts
+  MoeLayerSpec MoeSpec() const;                             // the pass's MoE layer shape (seq_aux_loss: t_ each)
+  MoeBalanceLosses TakeMoeBalanceLosses() override;         // seq_aux_loss's values since the last call
+  MoeBalanceLosses moe_balance_sums_;
+  // cuda_moe_bias.cpp: --moe-router-enable-expert-bias, per layer of the stage on the host: the bias (E) and the
+  // tokens each expert got since the last step (moe_balance.cpp's state); the update and the checkpoint buffers.
+  std::vector<std::pair<std::vector<float>, std::vector<double>>> moe_bias_;
+  std::pair<std::vector<float>, std::vector<double>>& MoeBiasOf(int64_t l);
+  std::string ExpertBiasName(int64_t l) const;
+  absl::Status FinishMoeStep() override;
+  ModelBuffers ReadBuffers() const override;
+  absl::Status WriteBuffers(const ModelBuffers& in) override;
   absl::Status MoeMlpBackward(int64_t l, const T* dmlp);
   std::vector<MoeLayerHost> moe_host_;  // per layer of the stage: what the forward left for backward
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;

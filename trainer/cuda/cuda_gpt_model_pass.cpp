@@ -132,22 +132,22 @@ absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
   // cuBLASLt has no squared-ReLU epilogue, and its GELU epilogues are the tanh one: the product, then
   // the activation's kernel.
   if (cf.squared_relu || cf.gelu_exact) {
-    T* fc1 = Act(plan_.fc1, l, n * f);
+    T* fc1 = MlpAct(plan_.fc1, l, n * f);
     PTK_RETURN_IF_ERROR(
         Op("matmul", "fc1", MatmulForward<T>(fc1, ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_)));
-    T* act = Act(plan_.gelu, l, n * f);
+    T* act = MlpAct(plan_.gelu, l, n * f);
     if (cf.gelu_exact) return Op("gelu_exact", "exact gelu", GeluExactForward<T>(act, fc1, n * f, ctx_));
     return Op("squared_relu", "squared relu", SquaredReluForward<T>(act, fc1, n * f, ctx_));
   }
   if (!cf.swiglu)
     return Op("matmul", "fc1+gelu",
-              MatmulForward<T>(Act(plan_.fc1, l, n * f), ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_,
-                               Act(plan_.gelu, l, n * f)));
+              MatmulForward<T>(MlpAct(plan_.fc1, l, n * f), ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_,
+                               MlpAct(plan_.gelu, l, n * f)));
   // SwiGLU: fc1 gives this rank's [gate; up] (2f columns), the activation takes silu(gate) * up.
-  T* fc1 = Act(plan_.fc1, l, n * 2 * f);
+  T* fc1 = MlpAct(plan_.fc1, l, n * 2 * f);
   PTK_RETURN_IF_ERROR(
       Op("matmul", "fc1", MatmulForward<T>(fc1, ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, 2 * f, ctx_)));
-  return Op("swiglu", "swiglu", SwigluForward<T>(Act(plan_.gelu, l, n * f), fc1, n, f, ctx_));
+  return Op("swiglu", "swiglu", SwigluForward<T>(MlpAct(plan_.gelu, l, n * f), fc1, n, f, ctx_));
 }
 
 template <typename T>
@@ -221,7 +221,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
       PTK_RETURN_IF_ERROR(MoeMlpForward(l, train));
     } else {
       PTK_RETURN_IF_ERROR(Fc1Forward(l));
-      PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * (cf.ffn_hidden_size / tensor_size())), lp.fc2_w,
+      PTK_RETURN_IF_ERROR(row_parallel("fc2", MlpAct(plan_.gelu, l, n * (cf.ffn_hidden_size / tensor_size())), lp.fc2_w,
                                        lp.fc2_b, cf.ffn_hidden_size / tensor_size()));
     }
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));

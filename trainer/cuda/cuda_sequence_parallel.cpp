@@ -229,7 +229,7 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
                                        Stats(plan_.ln2_stats, l), Act(plan_.resid, l, nl * c), tmp, lp.ln2_w,
                                        lp.ln2_b));
     PTK_RETURN_IF_ERROR(Fc1Forward(l));
-    PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * f), lp.fc2_w, lp.fc2_b, f));
+    PTK_RETURN_IF_ERROR(row_parallel("fc2", MlpAct(plan_.gelu, l, n * f), lp.fc2_w, lp.fc2_b, f));
     PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", SeqDropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(fc2), then the next norm (the next layer's or the final one).
     // A stage (or chunk) before the last has no final norm: the residual (the next stage's input)

@@ -317,14 +317,16 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   AddAttentionSaved(o, L, nh, act_lower, add);
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
+  // The dense MLP's fc1 and activation for the slot's dense layers only: a MoE layer keeps its own (moe_saved).
+  const int64_t Ld = L - (cf.num_experts > 0 ? MoeLayersIn(cf, 0, L) : 0);
   m.fc1 = add(cf.swiglu         ? "activations: MLP fc1 (SwiGLU's gate and up)"
               : cf.squared_relu ? "activations: MLP fc1 (pre-squared-ReLU)"
                                 : "activations: MLP fc1 (pre-GELU)",
-              L * n * ff * a, act_lower);
+              Ld * n * ff * a, act_lower);
   m.gelu = add(cf.swiglu         ? "activations: MLP SwiGLU"
                : cf.squared_relu ? "activations: MLP squared ReLU"
                                  : "activations: MLP GELU",
-               L * n * f * a, act_lower);
+               Ld * n * f * a, act_lower);
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
   m.slot_bytes = add.offset - m[m.resid].offset;

@@ -2,6 +2,7 @@
 // router's scores, top-k and probabilities, the scores' column sums, the gather of the tokens into the
 // experts' rows, the probabilities' scaling of the activation and its backward, the un-permute, and the
 // router's backward. No atomics: every sum has a fixed order.
+#include <algorithm>
 #include <functional>
 #include <string>
 
@@ -12,6 +13,7 @@ namespace ptk::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kMaxGroups = 64;  // group-limited routing's groups (a bit mask)
 
 __device__ __forceinline__ bool Chosen(const int32_t* chosen, int64_t k, int64_t e) {
   for (int64_t j = 0; j < k; ++j)
@@ -19,8 +21,53 @@ __device__ __forceinline__ bool Chosen(const int32_t* chosen, int64_t k, int64_t
   return false;
 }
 
+// v[e] + bias[e] (bias null: v[e]), in fp32 as the CPU's biased scores.
+__device__ __forceinline__ float Biased(const float* v, const float* bias, int64_t e) {
+  return bias != nullptr ? v[e] + bias[e] : v[e];
+}
+
+// The k largest of v (+ bias) (E values) into chosen, by descending value, the lower index first among equals
+// (strictly larger wins); with a group mask the experts outside the masked groups of `per` count as -inf.
+__device__ void TopK(int32_t* chosen, const float* v, int64_t E, int64_t K, uint64_t mask = 0, int64_t per = 1,
+                     const float* bias = nullptr) {
+  for (int64_t k = 0; k < K; ++k) {
+    int32_t best = -1;
+    float bv = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (Chosen(chosen, k, e)) continue;
+      const float x = mask == 0 || (mask >> (e / per) & 1) != 0 ? Biased(v, bias, e) : -INFINITY;
+      if (best < 0 || x > bv) best = static_cast<int32_t>(e), bv = x;
+    }
+    chosen[k] = best;
+  }
+}
+
+// cpu Choose: the K largest of v, or under group-limited routing the K largest within the group_topk groups
+// whose topk / group_topk largest values add up to the most (each group's sum in descending order).
+__device__ void Choose(int32_t* chosen, const float* v, const float* bias, const MoeRouting& r) {
+  const int64_t E = r.experts, K = r.topk;
+  if (r.group_topk == 0) return TopK(chosen, v, E, K, 0, 1, bias);
+  const int64_t per = E / r.groups, take = K / r.group_topk;
+  float sum[kMaxGroups];
+  for (int64_t g = 0; g < r.groups; ++g) {
+    const float* gb = bias != nullptr ? bias + g * per : nullptr;
+    TopK(chosen, v + g * per, per, take, 0, 1, gb);  // chosen as scratch: take <= K
+    float s = 0;
+    for (int64_t t = 0; t < take; ++t) s += Biased(v + g * per, gb, chosen[t]);
+    sum[g] = s;
+  }
+  uint64_t mask = 0;
+  for (int64_t j = 0; j < r.group_topk; ++j) {
+    int64_t best = -1;
+    for (int64_t g = 0; g < r.groups; ++g)
+      if ((mask >> g & 1) == 0 && (best < 0 || sum[g] > sum[best])) best = g;
+    mask |= uint64_t{1} << best;
+  }
+  TopK(chosen, v, E, K, mask, per, bias);
+}
+
 __global__ void RouteForwardKernel(float* scores, float* gates, float* prob, int32_t* expert, float* lse,
-                                   const float* logits, int64_t n, MoeRouting r) {
+                                   int32_t* plain, const float* logits, int64_t n, MoeRouting r) {
   const int64_t E = r.experts, K = r.topk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -43,15 +90,8 @@ __global__ void RouteForwardKernel(float* scores, float* gates, float* prob, int
       if (r.pre_softmax) pick = sc;
     }
     int32_t* chosen = expert + i * K;
-    for (int64_t k = 0; k < K; ++k) {  // the k-th largest: strictly larger wins, so the lower index among equals
-      int32_t best = -1;
-      float bv = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        if (Chosen(chosen, k, e)) continue;
-        if (best < 0 || pick[e] > bv) best = static_cast<int32_t>(e), bv = pick[e];
-      }
-      chosen[k] = best;
-    }
+    Choose(chosen, pick, r.sigmoid ? r.expert_bias : nullptr, r);
+    if (plain != nullptr) TopK(plain + i * K, sc, E, K);  // the load-balancing loss's routing map
     float* p = prob + i * K;
     if (r.sigmoid) {
       float top = 0;
@@ -71,19 +111,21 @@ __global__ void RouteForwardKernel(float* scores, float* gates, float* prob, int
   }
 }
 
-// One block per expert; each thread's strided partial, then a tree over the block.
-__global__ void ColumnSumsKernel(float* colsum, const float* scores, int64_t n, int64_t E) {
+// One block per (group of `per` tokens, expert); each thread's strided partial, then a tree over the block.
+__global__ void ColumnSumsKernel(float* colsum, const float* scores, int64_t n, int64_t E, int64_t per,
+                                 int64_t groups) {
   __shared__ float part[kThreads];
-  for (int64_t e = blockIdx.x; e < E; e += gridDim.x) {
+  for (int64_t ge = blockIdx.x; ge < groups * E; ge += gridDim.x) {
+    const int64_t g = ge / E, e = ge % E, end = (g + 1) * per < n ? (g + 1) * per : n;
     float s = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += scores[i * E + e];
+    for (int64_t i = g * per + threadIdx.x; i < end; i += blockDim.x) s += scores[i * E + e];
     part[threadIdx.x] = s;
     __syncthreads();
     for (int half = kThreads / 2; half > 0; half >>= 1) {
       if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
       __syncthreads();
     }
-    if (threadIdx.x == 0) colsum[e] = part[0];
+    if (threadIdx.x == 0) colsum[ge] = part[0];
     __syncthreads();
   }
 }
@@ -143,7 +185,7 @@ __global__ void CombineRowsKernel(T* out, const T* rows, const int32_t* combine,
 
 __global__ void RouteBackwardKernel(float* dlogits, const float* logits, const float* scores, const float* gates,
                                     const float* prob, const float* dprob, const int32_t* expert, const float* lse,
-                                    const float* counts, int64_t n, MoeRouting r, float aux_unit, float z_unit) {
+                                    const float* dscore, int64_t dscore_per, int64_t n, MoeRouting r, float z_unit) {
   const int64_t E = r.experts, K = r.topk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -161,21 +203,23 @@ __global__ void RouteBackwardKernel(float* dlogits, const float* logits, const f
       const float scale = 2 * z_unit * lse[i];
       for (int64_t e = 0; e < E; ++e) dz[e] += scale * expf(z[e] - lse[i]);
     }
-    float adot = 0;  // the load-balancing loss: d(scores[e]) = aux_unit x counts[e]
-    if (aux_unit != 0)
-      for (int64_t e = 0; e < E; ++e) adot += sc[e] * (aux_unit * counts[e]);
+    // The load-balancing losses: d(scores[e]) = ds[e], the row of token i's group.
+    const float* ds = dscore != nullptr ? dscore + i / dscore_per * E : nullptr;
+    float adot = 0;
+    if (ds != nullptr)
+      for (int64_t e = 0; e < E; ++e) adot += sc[e] * ds[e];
     if (r.sigmoid) {
       const float* g = gates + i * E;
       float top = 0, dot = 0, all = 0;
       for (int64_t k = 0; k < K; ++k) top += g[chosen[k]], dot += P(k) * DP(k);
-      if (aux_unit != 0)
+      if (ds != nullptr)
         for (int64_t e = 0; e < E; ++e) all += g[e];
       for (int64_t e = 0; e < E; ++e) {
-        float ds = 0;  // the gate's gradient
+        float dg = 0;  // the gate's gradient
         for (int64_t k = 0; k < K; ++k)
-          if (chosen[k] == e) ds = K == 1 ? DP(k) : (DP(k) - dot) / (top + 1e-20f);
-        if (aux_unit != 0) ds += (aux_unit * counts[e] - adot) / (all + 1e-20f);
-        dz[e] += ds * g[e] * (1.0f - g[e]);
+          if (chosen[k] == e) dg = K == 1 ? DP(k) : (DP(k) - dot) / (top + 1e-20f);
+        if (ds != nullptr) dg += (ds[e] - adot) / (all + 1e-20f);
+        dz[e] += dg * g[e] * (1.0f - g[e]);
       }
       continue;
     }
@@ -193,29 +237,38 @@ __global__ void RouteBackwardKernel(float* dlogits, const float* logits, const f
       for (int64_t k = 0; k < K; ++k) dot += P(k) * DP(k);
       for (int64_t k = 0; k < K; ++k) dz[chosen[k]] += P(k) * (DP(k) - dot);
     }
-    if (aux_unit != 0)
-      for (int64_t e = 0; e < E; ++e) dz[e] += sc[e] * (aux_unit * counts[e] - adot);
+    if (ds != nullptr)
+      for (int64_t e = 0; e < E; ++e) dz[e] += sc[e] * (ds[e] - adot);
   }
 }
 
 std::string RoutingName(const MoeRouting& r) {
-  return fmt::format("E={}, K={}, {}{}", r.experts, r.topk,
+  return fmt::format("E={}, K={}, {}{}{}{}", r.experts, r.topk,
                      r.sigmoid       ? "sigmoid"
                      : r.pre_softmax ? "pre-softmax"
                                      : "softmax",
-                     r.scaling != 0 ? fmt::format(", scaling {}", r.scaling) : "");
+                     r.scaling != 0 ? fmt::format(", scaling {}", r.scaling) : "",
+                     r.group_topk != 0 ? fmt::format(", top {} of {} groups", r.group_topk, r.groups) : "",
+                     r.expert_bias != nullptr ? ", expert bias" : "");
 }
 
 absl::Status CheckRouting(const MoeRouting& r, const std::function<std::string()>& where) {
   if (r.experts < 1 || r.topk < 1 || r.topk > r.experts || r.experts > (int64_t{1} << 30))
     return absl::InvalidArgumentError(fmt::format("{}: top-{} of {} experts", where(), r.topk, r.experts));
+  if (r.expert_bias != nullptr && !r.sigmoid)
+    return absl::InvalidArgumentError(fmt::format("{}: the expert bias needs the sigmoid score function", where()));
+  if (r.group_topk != 0 &&
+      (r.groups < 1 || r.groups > kMaxGroups || r.experts % r.groups != 0 || r.group_topk < 1 ||
+       r.group_topk > r.groups || r.topk % r.group_topk != 0 || r.topk > r.group_topk * (r.experts / r.groups)))
+    return absl::InvalidArgumentError(fmt::format("{}: top-{} of {} experts in {} groups (at most {}), top {} groups",
+                                                  where(), r.topk, r.experts, r.groups, kMaxGroups, r.group_topk));
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::Status MoeRouteForward(float* scores, float* gates, float* prob, int32_t* expert, float* lse, const float* logits,
-                             int64_t n, const MoeRouting& r, const CudaContext& ctx) {
+absl::Status MoeRouteForward(float* scores, float* gates, float* prob, int32_t* expert, float* lse, int32_t* plain,
+                             const float* logits, int64_t n, const MoeRouting& r, const CudaContext& ctx) {
   std::function<std::string()> where = [&] { return fmt::format("MoeRouteForward(n={}, {})", n, RoutingName(r)); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(CheckRouting(r, where));
@@ -228,21 +281,25 @@ absl::Status MoeRouteForward(float* scores, float* gates, float* prob, int32_t* 
   PTK_KERNEL_CHECK(kernel::CheckPointer(logits, "logits", where));
   constexpr int kRouteThreads = 128;
   RouteForwardKernel<<<kernel::GridBlocks(n, kRouteThreads, kernel::MaxBlocks(ctx)), kRouteThreads, 0, ctx.stream>>>(
-      scores, gates, prob, expert, lse, logits, n, r);
+      scores, gates, prob, expert, lse, plain, logits, n, r);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
 
-absl::Status MoeScoreColumnSums(float* colsum, const float* scores, int64_t n, int64_t experts,
-                                const CudaContext& ctx) {
-  auto where = [&] { return fmt::format("MoeScoreColumnSums(n={}, E={})", n, experts); };
+absl::Status MoeScoreColumnSums(float* colsum, const float* scores, int64_t n, int64_t experts, const CudaContext& ctx,
+                                int64_t per) {
+  auto where = [&] { return fmt::format("MoeScoreColumnSums(n={}, E={}, groups of {})", n, experts, per); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(experts, "experts", where));
+  if (per == 0) per = std::max<int64_t>(n, 1);
+  if (per < 0 || n % per != 0)
+    return absl::InvalidArgumentError(fmt::format("{}: {} tokens are not groups of {}", where(), n, per));
   if (experts == 0) return absl::OkStatus();
   PTK_KERNEL_CHECK(kernel::CheckPointer(colsum, "colsum", where));
   if (n > 0) PTK_KERNEL_CHECK(kernel::CheckPointer(scores, "scores", where));
-  ColumnSumsKernel<<<kernel::GridBlocks(experts, 1, kernel::MaxBlocks(ctx)), kThreads, 0, ctx.stream>>>(colsum, scores,
-                                                                                                        n, experts);
+  const int64_t groups = std::max<int64_t>(n / per, 1);  // n = 0: each expert's sum 0
+  ColumnSumsKernel<<<kernel::GridBlocks(groups * experts, 1, kernel::MaxBlocks(ctx)), kThreads, 0, ctx.stream>>>(
+      colsum, scores, n, experts, per, groups);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -323,13 +380,17 @@ absl::Status MoeCombineRows(T* out, const T* rows, const int32_t* combine, const
 
 absl::Status MoeRouteBackward(float* dlogits, const float* logits, const float* scores, const float* gates,
                               const float* prob, const float* dprob, const int32_t* expert, const float* lse,
-                              const float* counts, int64_t n, const MoeRouting& r, float aux_unit, float z_unit,
+                              const float* dscore, int64_t dscore_per, int64_t n, const MoeRouting& r, float z_unit,
                               const CudaContext& ctx) {
   std::function<std::string()> where = [&] {
-    return fmt::format("MoeRouteBackward(n={}, {}, aux unit {}, z unit {})", n, RoutingName(r), aux_unit, z_unit);
+    return fmt::format("MoeRouteBackward(n={}, {}, {}, z unit {})", n, RoutingName(r),
+                       dscore != nullptr ? fmt::format("score gradients per {} tokens", dscore_per) : "no aux loss",
+                       z_unit);
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(CheckRouting(r, where));
+  if (dscore != nullptr && dscore_per < 1)
+    return absl::InvalidArgumentError(fmt::format("{}: score gradient rows of {} tokens", where(), dscore_per));
   if (n == 0) return absl::OkStatus();
   PTK_KERNEL_CHECK(kernel::CheckPointer(dlogits, "dlogits", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(scores, "scores", where));
@@ -337,12 +398,11 @@ absl::Status MoeRouteBackward(float* dlogits, const float* logits, const float* 
   PTK_KERNEL_CHECK(kernel::CheckPointer(dprob, "dprob", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(expert, "expert", where));
   if (r.sigmoid) PTK_KERNEL_CHECK(kernel::CheckPointer(gates, "gates", where));
-  if (aux_unit != 0) PTK_KERNEL_CHECK(kernel::CheckPointer(counts, "counts", where));
   if (z_unit != 0) PTK_KERNEL_CHECK(kernel::CheckPointer(logits, "logits", where));
   if (z_unit != 0) PTK_KERNEL_CHECK(kernel::CheckPointer(lse, "lse", where));
   constexpr int kRouteThreads = 128;
   RouteBackwardKernel<<<kernel::GridBlocks(n, kRouteThreads, kernel::MaxBlocks(ctx)), kRouteThreads, 0, ctx.stream>>>(
-      dlogits, logits, scores, gates, prob, dprob, expert, lse, counts, n, r, aux_unit, z_unit);
+      dlogits, logits, scores, gates, prob, dprob, expert, lse, dscore, dscore_per, n, r, z_unit);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
