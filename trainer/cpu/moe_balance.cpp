@@ -15,6 +15,7 @@
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cpu/moe_balance_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
+#include "trainer/expert_bias_buffers.h"
 
 namespace ptk {
 CpuGPTModel::MoeBalanceState& CpuGPTModel::BalanceOf(int64_t l) {
@@ -116,28 +117,9 @@ ModelBuffers CpuGPTModel::ReadBuffers() const {
 }
 
 absl::Status CpuGPTModel::WriteBuffers(const ModelBuffers& in) {
-  size_t used = 0;
-  for (int64_t l = 0; l < BalanceLayers(); ++l) {
-    const std::string name = ExpertBiasName(l);
-    if (name.empty()) continue;
-    auto it = std::find_if(in.begin(), in.end(), [&](const auto& b) { return b.first == name; });
-    if (it == in.end())
-      return absl::InvalidArgumentError(fmt::format(
-          "the checkpoint holds no {} (saved without --moe-router-enable-expert-bias?): ptk resumes aux-loss-free "
-          "routing only from a checkpoint of it",
-          name));
-    if (it->second.size() != static_cast<size_t>(config().num_experts))
-      return absl::InvalidArgumentError(fmt::format("the checkpoint's {} has {} values for --num-experts {}", name,
-                                                    it->second.size(), config().num_experts));
-    BalanceOf(l).expert_bias = it->second;
-    ++used;
-  }
-  if (used != in.size())
-    return absl::InvalidArgumentError(
-        fmt::format("the checkpoint holds {} buffer(s) this model has none of (the first: {}; saved with "
-                    "--moe-router-enable-expert-bias, which this run does not give?)",
-                    in.size() - used, in.empty() ? "" : in.front().first));
-  return absl::OkStatus();
+  return LoadExpertBiases(
+      in, BalanceLayers(), config().num_experts, [&](int64_t l) { return ExpertBiasName(l); },
+      [&](int64_t l, const std::vector<float>& v) { BalanceOf(l).expert_bias = v; });
 }
 
 }  // namespace ptk
