@@ -1,6 +1,7 @@
 // What the ptk-convert tests share (hf_convert_test.cpp, hf_llama_convert_test.cpp, hf_shards_test.cpp,
-// convert_progress_test.cpp): a ptk checkpoint of a small model with distinct weights, as ptk-train
-// saves it; ConvertOptions for a direction; a tensor of an exported directory.
+// convert_progress_test.cpp, the MoE lines' hf_*_convert_test.cpp): a ptk checkpoint of a small model with distinct
+// weights, as ptk-train saves it; ConvertOptions for a direction; a tensor of an exported directory; a round trip's
+// weights and files compared; an exported directory's weights rewritten damaged.
 #pragma once
 
 #include <cstdint>
@@ -93,6 +94,55 @@ class HfConvertFixture : public ::testing::Test {
       EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
       EXPECT_FALSE(std::filesystem::exists(out + "/iter_0000000")) << k.to;
     }
+  }
+
+  // The round trip of the checkpoint saved last (params_, GPT-2's vocabulary of 50257 padded to 50304) named by
+  // `tag`: exported to dir_/hf<tag>, imported back into dir_/back<tag> whose weights are `back`. Every weight bit for
+  // bit but the padded vocabulary rows (dropped by the export, copies of the last row): the embedding's, and the
+  // output layer's when `untie`; and dir_/back<tag> exported again (dir_/hf2<tag>) gives the same files, byte for byte.
+  void ExpectRoundTripBitForBit(const std::vector<float>& back, int64_t hidden, bool untie, const std::string& tag) {
+    ASSERT_EQ(back.size(), params_.size());
+    const int64_t h = hidden;
+    int64_t differ = 0;
+    for (int64_t i = 0; i < layout_.num_params; ++i) {
+      const bool padded = (i >= layout_.wte + 50257 * h && i < layout_.wte + 50304 * h) ||
+                          (untie && i >= layout_.out_w + 50257 * h && i < layout_.out_w + 50304 * h);
+      if (!padded && back[static_cast<size_t>(i)] != P(i)) ++differ;
+    }
+    EXPECT_EQ(differ, 0) << tag;
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
+    for (const char* f : {"model.safetensors", "config.json"})
+      EXPECT_EQ(ReadFile(dir_ / ("hf" + tag + "/" + f)), ReadFile(dir_ / ("hf2" + tag + "/" + f))) << tag << " " << f;
+  }
+  // The tensors of a model.safetensors, read whole, to be written back damaged: `entries` point into `values`.
+  struct HfTensors {
+    std::vector<std::vector<float>> values;
+    std::vector<SafetensorsEntry> entries;
+  };
+  static void ReadTensors(const std::string& file, HfTensors* out) {
+    auto f = SafetensorsFile::Open(file);
+    ASSERT_TRUE(f.ok());
+    out->values.reserve((*f)->tensors().size());
+    for (const SafetensorsTensor& t : (*f)->tensors()) {
+      out->values.push_back(*(*f)->ReadFloat(t));
+      out->entries.push_back({t.name, t.shape, out->values.back()});
+    }
+  }
+  // `entries` but the one named `name`.
+  static std::vector<SafetensorsEntry> Without(const std::vector<SafetensorsEntry>& entries, const std::string& name) {
+    std::vector<SafetensorsEntry> out;
+    for (const SafetensorsEntry& e : entries)
+      if (e.name != name) out.push_back(e);
+    return out;
+  }
+  // The HF directory `hf` (its model.safetensors now `entries`) imported into dir_/`out`: refused, the message holding
+  // `want`.
+  void ExpectImportRefused(const std::string& hf, const std::vector<SafetensorsEntry>& entries, const std::string& out,
+                           const std::string& want) {
+    ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / out));
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status();
   }
 
   TempDir dir_;

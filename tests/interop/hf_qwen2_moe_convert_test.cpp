@@ -22,6 +22,7 @@
 #include "interop/hf_qwen3_moe.h"
 #include "interop/safetensors.h"
 #include "tests/interop/hf_convert_fixture.h"
+#include "tests/interop/hf_golden_logits.h"
 #include "tests/test_util.h"
 #include "trainer/backend.h"
 
@@ -198,20 +199,7 @@ TEST_F(HfQwen2MoeRoundTrip, PtkToHfToPtkGivesBackEveryWeightBitForBit) {
     EXPECT_EQ(b.moe_router_pre_softmax, on);
     EXPECT_EQ(b.moe_layers(), on ? 2 : 3);
     EXPECT_FALSE(b.qk_layernorm);
-    ASSERT_EQ(back->params.size(), params_.size());
-    const int64_t h = c.hidden_size;
-    int64_t differ = 0;
-    for (int64_t i = 0; i < layout_.num_params; ++i) {
-      const bool padded = (i >= layout_.wte + 50257 * h && i < layout_.wte + 50304 * h) ||
-                          (i >= layout_.out_w + 50257 * h && i < layout_.out_w + 50304 * h);
-      if (!padded && back->params[static_cast<size_t>(i)] != P(i)) ++differ;
-    }
-    EXPECT_EQ(differ, 0) << tag;
-    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
-    for (const char* f : {"model.safetensors", "config.json"})
-      EXPECT_EQ(ptk::testing::ReadFile(dir_ / ("hf" + tag + "/" + f)),
-                ptk::testing::ReadFile(dir_ / ("hf2" + tag + "/" + f)))
-          << tag << " " << f;
+    ASSERT_NO_FATAL_FAILURE(ExpectRoundTripBitForBit(back->params, c.hidden_size, /*untie=*/true, tag));
   }
 }
 
@@ -250,24 +238,11 @@ TEST_F(HfQwen2MoeRoundTrip, ImportRefusesWhatPtkCannotComputeAndAMismatchedDirec
       << r.status();
   // The shared expert's gate gone from the weights: missing, named.
   ptk::testing::WriteFile(hf + "/config.json", config);
-  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
-  ASSERT_TRUE(f.ok());
-  std::vector<std::vector<float>> kept;
-  kept.reserve((*f)->tensors().size());
-  std::vector<SafetensorsEntry> entries;
+  HfTensors all;
+  ASSERT_NO_FATAL_FAILURE(ReadTensors(hf + "/model.safetensors", &all));
   const std::string gate = "model.layers.2.mlp.shared_expert_gate.weight";
-  for (const SafetensorsTensor& t : (*f)->tensors()) {
-    kept.push_back(*(*f)->ReadFloat(t));
-    if (t.name != gate) entries.push_back({t.name, t.shape, kept.back()});
-  }
-  f->reset();
-  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
-  r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-gate"));
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find(hf + "/model.safetensors: tensor " + gate +
-                                      ": missing (config.json asks for shape [1, 8])"),
-            std::string::npos)
-      << r.status();
+  ExpectImportRefused(hf, Without(all.entries, gate), "out-gate",
+                      hf + "/model.safetensors: tensor " + gate + ": missing (config.json asks for shape [1, 8])");
 }
 
 // tests/data/interop/qwen2_moe_tiny: a Qwen2MoeForCausalLM transformers 4.51.3 made and saved (3 layers, the first
@@ -296,44 +271,7 @@ TEST(HfQwen2MoeGolden, AQwen2MoeSavedByTransformersImportsWithItsLogitsAndLoss) 
   simdjson::dom::parser parser;
   simdjson::dom::element golden;
   ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
-  auto compare = [&](const GPTConfig& config, const std::vector<float>& params, bool expect_equal) {
-    auto model = CreateModel(config, BackendOptions{});
-    EXPECT_TRUE(model.ok()) << model.status();
-    if (!model.ok()) return 0.0;
-    EXPECT_TRUE((*model)->WriteParams(params).ok());
-    double worst = 0;
-    for (simdjson::dom::element s : golden["sequences"].get_array()) {
-      std::vector<int32_t> tokens;
-      for (int64_t id : s["tokens"].get_array()) tokens.push_back(static_cast<int32_t>(id));
-      const int64_t t = static_cast<int64_t>(tokens.size());
-      std::vector<int32_t> labels(tokens.size(), 0), pos(tokens.size());
-      std::vector<float> mask(tokens.size(), 0.0f), logits;
-      for (int64_t i = 0; i < t; ++i) {
-        pos[static_cast<size_t>(i)] = static_cast<int32_t>(i);
-        if (i + 1 < t) {  // HF's loss: each token's logits against the next token
-          labels[static_cast<size_t>(i)] = tokens[static_cast<size_t>(i + 1)];
-          mask[static_cast<size_t>(i)] = 1.0f;
-        }
-      }
-      ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
-      auto loss = (*model)->Forward(b, &logits);
-      EXPECT_TRUE(loss.ok()) << loss.status();
-      if (!loss.ok()) return 0.0;
-      int64_t k = 0;
-      for (double want : s["logits"].get_array()) {
-        worst = std::max(worst, std::abs(want - logits[static_cast<size_t>(k)]));
-        ++k;
-      }
-      EXPECT_EQ(k, t * 96);
-      if (expect_equal) {
-        const double want = s["loss"].get_double().value(), got = loss->loss_sum / loss->tokens;
-        EXPECT_NEAR(got, want, 1e-5);
-        std::printf("%lld tokens: loss %.7f, transformers' %.7f\n", static_cast<long long>(t), got, want);
-      }
-    }
-    return worst;
-  };
-  const double worst = compare(c, ck->params, true);
+  const double worst = ptk::testing::WorstHfLogitDifference(golden, c, ck->params, 96, true);
   EXPECT_LE(worst, 1e-4);
   std::printf("ptk's logits differ from transformers' by at most %.3g (tolerance 1e-4)\n", worst);
   // The test can tell: the shared expert ungated (its output added whole) moves the logits past the tolerance.
@@ -346,7 +284,7 @@ TEST(HfQwen2MoeGolden, AQwen2MoeSavedByTransformersImportsWithItsLogitsAndLoss) 
     if (t.name.find("shared_experts.gate_weight") == std::string::npos)
       params.insert(params.end(), ck->params.begin() + t.offset, ck->params.begin() + t.offset + t.size);
   ASSERT_EQ(static_cast<int64_t>(params.size()), less->num_params);
-  EXPECT_GT(compare(ungated, params, false), 1e-2);
+  EXPECT_GT(ptk::testing::WorstHfLogitDifference(golden, ungated, params, 96, false), 1e-2);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "interop/hf_qwen3_moe.h"
 #include "interop/safetensors.h"
 #include "tests/interop/hf_convert_fixture.h"
+#include "tests/interop/hf_golden_logits.h"
 #include "tests/test_util.h"
 #include "trainer/backend.h"
 
@@ -230,22 +231,7 @@ TEST_F(HfQwen3MoeRoundTrip, PtkToHfToPtkGivesBackEveryWeightBitForBit) {
     EXPECT_EQ(b.head_dim(), 8);
     EXPECT_EQ(b.rotary_base, 1000000);
     EXPECT_EQ(b.untie_embeddings_and_output_weights, untie);
-    // Every weight bit for bit but the padded vocabulary rows (dropped by the export, copies of the last row).
-    ASSERT_EQ(back->params.size(), params_.size());
-    const int64_t h = c.hidden_size;
-    int64_t differ = 0;
-    for (int64_t i = 0; i < layout_.num_params; ++i) {
-      const bool padded = (i >= layout_.wte + 50257 * h && i < layout_.wte + 50304 * h) ||
-                          (untie && i >= layout_.out_w + 50257 * h && i < layout_.out_w + 50304 * h);
-      if (!padded && back->params[static_cast<size_t>(i)] != P(i)) ++differ;
-    }
-    EXPECT_EQ(differ, 0) << tag;
-    // And exported again: the same files, byte for byte.
-    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
-    for (const char* f : {"model.safetensors", "config.json"})
-      EXPECT_EQ(ptk::testing::ReadFile(dir_ / ("hf" + tag + "/" + f)),
-                ptk::testing::ReadFile(dir_ / ("hf2" + tag + "/" + f)))
-          << tag << " " << f;
+    ASSERT_NO_FATAL_FAILURE(ExpectRoundTripBitForBit(back->params, c.hidden_size, untie, tag));
   }
 }
 
@@ -305,38 +291,18 @@ TEST_F(HfQwen3MoeRoundTrip, ImportRefusesAMismatchedOrDamagedDirectoryNamingTheT
   EXPECT_EQ(r.status().message().find('\n'), std::string::npos) << r.status();
   ptk::testing::WriteFile(hf + "/config.json", config);
   // One expert's down_proj left out; then the router of the wrong shape.
-  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
-  ASSERT_TRUE(f.ok());
-  std::vector<std::vector<float>> kept;
-  kept.reserve((*f)->tensors().size());
-  std::vector<SafetensorsEntry> all;
-  for (const SafetensorsTensor& t : (*f)->tensors()) {
-    kept.push_back(*(*f)->ReadFloat(t));
-    all.push_back({t.name, t.shape, kept.back()});
-  }
-  f->reset();
+  HfTensors all;
+  ASSERT_NO_FATAL_FAILURE(ReadTensors(hf + "/model.safetensors", &all));
   const std::string expert = "model.layers.2.mlp.experts.1.down_proj.weight";
-  std::vector<SafetensorsEntry> entries;
-  for (const SafetensorsEntry& e : all)
-    if (e.name != expert) entries.push_back(e);
-  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
-  r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-missing"));
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find(hf + "/model.safetensors: tensor " + expert +
-                                      ": missing (config.json asks for shape [8, 6])"),
-            std::string::npos)
-      << r.status();
-  entries = all;
+  ExpectImportRefused(hf, Without(all.entries, expert), "out-missing",
+                      hf + "/model.safetensors: tensor " + expert + ": missing (config.json asks for shape [8, 6])");
+  std::vector<SafetensorsEntry> entries = all.entries;
   std::vector<float> gate(3 * 8, 0.5f);
   for (SafetensorsEntry& e : entries)
     if (e.name == "model.layers.1.mlp.gate.weight") e = {e.name, {3, 8}, gate};
-  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
-  r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-shape"));
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find(hf + "/model.safetensors: tensor model.layers.1.mlp.gate.weight: shape [3, 8], "
-                                           "config.json asks for [4, 8]"),
-            std::string::npos)
-      << r.status();
+  ExpectImportRefused(hf, entries, "out-shape",
+                      hf + "/model.safetensors: tensor model.layers.1.mlp.gate.weight: shape [3, 8], config.json asks "
+                           "for [4, 8]");
   EXPECT_FALSE(std::filesystem::exists(dir_ / "out-shape/iter_0000000"));
 }
 
@@ -373,42 +339,7 @@ TEST(HfQwen3MoeGolden, AQwen3MoeSavedByTransformersImportsWithItsLogitsAndLoss) 
   ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
   // ptk's logits and loss for `config`; the largest logit difference.
   auto compare = [&](const GPTConfig& config, bool expect_equal) {
-    auto model = CreateModel(config, BackendOptions{});
-    EXPECT_TRUE(model.ok()) << model.status();
-    if (!model.ok()) return 0.0;
-    EXPECT_TRUE((*model)->WriteParams(ck->params).ok());
-    double worst = 0;
-    for (simdjson::dom::element s : golden["sequences"].get_array()) {
-      std::vector<int32_t> tokens;
-      for (int64_t id : s["tokens"].get_array()) tokens.push_back(static_cast<int32_t>(id));
-      const int64_t t = static_cast<int64_t>(tokens.size());
-      std::vector<int32_t> labels(tokens.size(), 0), pos(tokens.size());
-      std::vector<float> mask(tokens.size(), 0.0f), logits;
-      for (int64_t i = 0; i < t; ++i) {
-        pos[static_cast<size_t>(i)] = static_cast<int32_t>(i);
-        if (i + 1 < t) {  // HF's loss: each token's logits against the next token
-          labels[static_cast<size_t>(i)] = tokens[static_cast<size_t>(i + 1)];
-          mask[static_cast<size_t>(i)] = 1.0f;
-        }
-      }
-      ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
-      auto loss = (*model)->Forward(b, &logits);
-      EXPECT_TRUE(loss.ok()) << loss.status();
-      if (!loss.ok()) return 0.0;
-      int64_t k = 0;
-      for (double want : s["logits"].get_array()) {
-        const int64_t row = k / 96, col = k % 96;
-        worst = std::max(worst, std::abs(want - logits[static_cast<size_t>(row * 96 + col)]));
-        ++k;
-      }
-      EXPECT_EQ(k, t * 96);
-      if (expect_equal) {
-        const double want = s["loss"].get_double().value(), got = loss->loss_sum / loss->tokens;
-        EXPECT_NEAR(got, want, 1e-5);
-        std::printf("%lld tokens: loss %.7f, transformers' %.7f\n", static_cast<long long>(t), got, want);
-      }
-    }
-    return worst;
+    return ptk::testing::WorstHfLogitDifference(golden, config, ck->params, 96, expect_equal);
   };
   const double worst = compare(c, true);
   EXPECT_LE(worst, 1e-4);
