@@ -12,15 +12,13 @@ The model: 2 layers, hidden 16, 4 query heads in 2 key/value groups, 4 SwiGLU ex
 base 10000, untied output layer, vocabulary 96; weights N(0, 0.2) (initializer_range), the RMSNorm weights moved
 off their 1 init so that they are tested too.
 """
-import json
-import os
 import sys
 
 import torch
 import transformers
 from transformers import MixtralConfig, MixtralForCausalLM
 
-SEQS = [[3, 17, 41, 88, 5, 60, 2, 95, 33], [int(x) for x in torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(7))]]
+import hf_moe_golden
 
 
 def main(out):
@@ -32,26 +30,7 @@ def main(out):
                            num_experts_per_tok=2, router_aux_loss_coef=0.02, tie_word_embeddings=False,
                            bos_token_id=1, eos_token_id=2)
     model = MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for extra in ("generation_config.json",):  # not read by the import: kept out of the fixture
-        if os.path.exists(os.path.join(out, extra)):
-            os.remove(os.path.join(out, extra))
-    golden = {"transformers": transformers.__version__, "torch": torch.__version__, "sequences": []}
-    for seq in SEQS:
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            res = model(ids, labels=ids, use_cache=False)
-        logits = res.logits[0]
-        golden["sequences"].append({"tokens": seq, "loss": float(res.loss),
-                                    "logits": [float(x) for x in logits.reshape(-1)]})
-    with open(os.path.join(out, "golden.json"), "w") as f:
-        json.dump(golden, f, separators=(",", ":"))
-        f.write("\n")
+    hf_moe_golden.save_with_golden(model, out)
 
 
 if __name__ == "__main__":

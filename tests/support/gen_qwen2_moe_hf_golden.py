@@ -18,8 +18,6 @@ q, k and v biased (qkv_bias, Megatron's --add-qkv-bias), RoPE base 10000, untied
 weights N(0, 0.2) (initializer_range), the biases and RMSNorm weights moved off their 0 and 1 init so that they are
 tested too.
 """
-import json
-import os
 import sys
 
 import torch2_shim
@@ -29,8 +27,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM  # noqa: E402
 
-SEQS = [[3, 17, 41, 88, 5, 60, 2, 95, 33],
-        [int(x) for x in torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(7))]]
+import hf_moe_golden  # noqa: E402
 
 
 def main(out):
@@ -44,26 +41,7 @@ def main(out):
                             mlp_only_layers=[0], router_aux_loss_coef=0.02, tie_word_embeddings=False,
                             bos_token_id=1, eos_token_id=2)
     model = Qwen2MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))  # norms from 1, biases from 0
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for extra in ("generation_config.json",):  # not read by the import: kept out of the fixture
-        if os.path.exists(os.path.join(out, extra)):
-            os.remove(os.path.join(out, extra))
-    golden = {"transformers": transformers.__version__, "torch": torch.__version__, "sequences": []}
-    for seq in SEQS:
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            res = model(ids, labels=ids, use_cache=False)
-        logits = res.logits[0]
-        golden["sequences"].append({"tokens": seq, "loss": float(res.loss),
-                                    "logits": [float(x) for x in logits.reshape(-1)]})
-    with open(os.path.join(out, "golden.json"), "w") as f:
-        json.dump(golden, f, separators=(",", ":"))
-        f.write("\n")
+    hf_moe_golden.save_with_golden(model, out)
 
 
 if __name__ == "__main__":
