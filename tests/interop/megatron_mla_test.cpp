@@ -154,13 +154,9 @@ PyRef DictWithout(const PyValue& d, const std::string& skip, const std::vector<s
   return out;
 }
 
-class MegatronMla : public ::testing::Test {
+class MegatronMla : public testing::DistinctCheckpointTest {
  protected:
   void Save(const GPTConfig& c, const std::string& dir) {
-    auto layout = ParamLayout::Create(c);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = *layout;
-    testing::DistinctWeightsAndMoments(layout_, &params_, &m1_, &m2_);
     TrainState st;
     st.iteration = 4;
     st.adam_step = 4;
@@ -171,8 +167,7 @@ class MegatronMla : public ::testing::Test {
       for (const auto& kv : MoeRunSettings(c)) st.settings.push_back(kv);
       st.buffers.emplace_back("decoder.layers.1.mlp.router.expert_bias", std::vector<float>{0.5f, -0.25f, 1e-3f, 0});
     }
-    buffers_ = st.buffers;
-    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, m1_, m2_, st, "[]").ok());
+    SaveDistinct(c, dir, st);
   }
   // Exports `name`'s model from dir/ck to dir/meg under `impl`'s names at pipeline size `pp`.
   void Export(const std::string& name, const testing::TempDir& dir, const char* impl, int64_t pp = 1) {
@@ -183,9 +178,6 @@ class MegatronMla : public ::testing::Test {
     auto s = ExportToMegatron(o);
     ASSERT_TRUE(s.ok()) << s.status();
   }
-  ParamLayout layout_;
-  std::vector<float> params_, m1_, m2_;
-  ModelBuffers buffers_;
 };
 
 constexpr char kRank[] = "meg/iter_0000004/mp_rank_00/model_optim_rng.pt";

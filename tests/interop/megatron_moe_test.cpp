@@ -81,13 +81,9 @@ GPTConfig MoeWithFeatures(bool every_layer) {
   return c;
 }
 
-class MegatronMoe : public ::testing::Test {
+class MegatronMoe : public testing::DistinctCheckpointTest {
  protected:
   void Save(const GPTConfig& c, const std::string& dir) {
-    auto layout = ParamLayout::Create(c);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = *layout;
-    testing::DistinctWeightsAndMoments(layout_, &params_, &m1_, &m2_);
     TrainState st;
     st.iteration = 6;
     st.adam_step = 6;
@@ -100,12 +96,21 @@ class MegatronMoe : public ::testing::Test {
       if (c.moe_router_enable_expert_bias && c.moe_layer(l))
         st.buffers.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", l),
                                 std::vector<float>{0.25f * static_cast<float>(l), -1e-3f, 3e-3f, 7.5e-4f});
-    buffers_ = st.buffers;
-    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, m1_, m2_, st, "[]").ok());
+    SaveDistinct(c, dir, st);
   }
-  ParamLayout layout_;
-  std::vector<float> params_, m1_, m2_;
-  ModelBuffers buffers_;
+  // `c` saved in dir/ck, exported to dir/meg at tensor and pipeline size `size` under `impl`'s names and imported
+  // back into dir/back: the import's ptk-train flags in *flags. Call under ASSERT_NO_FATAL_FAILURE.
+  void RoundTrip(const GPTConfig& c, const testing::TempDir& dir, int64_t size, const char* impl, std::string* flags) {
+    Save(c, dir / "ck");
+    ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
+    o.target_tensor_parallel_size = o.target_pipeline_parallel_size = size;
+    o.saver_transformer_impl = impl;
+    auto s = ExportToMegatron(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
+    ASSERT_TRUE(back.ok()) << back.status();
+    *flags = back->train_flags;
+  }
 };
 
 TEST_F(MegatronMoe, ExportWritesTheExpertsAsMegatronNamesAndSplitsThem) {
@@ -158,20 +163,14 @@ TEST_F(MegatronMoe, PtkToMegatronToPtkIsBitForBit) {
         SCOPED_TRACE(::testing::Message() << every << " " << size << " " << impl);
         testing::TempDir dir;
         const GPTConfig c = Moe(every);
-        Save(c, dir / "ck");
-        ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
-        o.target_tensor_parallel_size = o.target_pipeline_parallel_size = size;
-        o.saver_transformer_impl = impl;
-        auto s = ExportToMegatron(o);
-        ASSERT_TRUE(s.ok()) << s.status();
-        auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
-        ASSERT_TRUE(back.ok()) << back.status();
-        EXPECT_NE(back->train_flags.find(" --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 8 "
-                                         "--moe-aux-loss-coeff 0.01"),
+        std::string flags;
+        ASSERT_NO_FATAL_FAILURE(RoundTrip(c, dir, size, impl, &flags));
+        EXPECT_NE(flags.find(" --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 8 "
+                             "--moe-aux-loss-coeff 0.01"),
                   std::string::npos)
-            << back->train_flags;
-        EXPECT_EQ(back->train_flags.find("--moe-layer-freq \"[1,0,1,0]\"") != std::string::npos, !every);
-        EXPECT_EQ(back->train_flags.find("--moe-router-pre-softmax") != std::string::npos, !every);
+            << flags;
+        EXPECT_EQ(flags.find("--moe-layer-freq \"[1,0,1,0]\"") != std::string::npos, !every);
+        EXPECT_EQ(flags.find("--moe-router-pre-softmax") != std::string::npos, !every);
         auto ck = LoadPtkCheckpoint(dir / "back", 0, false, /*with_optimizer=*/true);
         ASSERT_TRUE(ck.ok()) << ck.status();
         EXPECT_EQ(ck->config.num_experts, 4);
@@ -266,14 +265,8 @@ TEST_F(MegatronMoe, EveryFeatureGoesPtkToMegatronToPtkBitForBit) {
         SCOPED_TRACE(::testing::Message() << every << " " << size << " " << impl);
         testing::TempDir dir;
         const GPTConfig c = MoeWithFeatures(every);
-        Save(c, dir / "ck");
-        ConvertOptions o = testing::ConvertOpts("ptk", "megatron", dir / "ck", dir / "meg");
-        o.target_tensor_parallel_size = o.target_pipeline_parallel_size = size;
-        o.saver_transformer_impl = impl;
-        auto s = ExportToMegatron(o);
-        ASSERT_TRUE(s.ok()) << s.status();
-        auto back = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", dir / "meg", dir / "back"));
-        ASSERT_TRUE(back.ok()) << back.status();
+        std::string flags;
+        ASSERT_NO_FATAL_FAILURE(RoundTrip(c, dir, size, impl, &flags));
         for (const char* flag :
              every ? std::vector<const char*>{" --moe-router-load-balancing-type aux_loss seq_aux_loss "
                                               "--moe-aux-loss-coeff 0.01 0.02",
@@ -286,7 +279,7 @@ TEST_F(MegatronMoe, EveryFeatureGoesPtkToMegatronToPtkBitForBit) {
                          " --moe-router-score-function sigmoid",
                          " --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002",
                          " --moe-shared-expert-intermediate-size 12 --moe-expert-capacity-factor 1.5"})
-          EXPECT_NE(back->train_flags.find(flag), std::string::npos) << flag << "\n" << back->train_flags;
+          EXPECT_NE(flags.find(flag), std::string::npos) << flag << "\n" << flags;
         auto ck = LoadPtkCheckpoint(dir / "back", 0, false, /*with_optimizer=*/true);
         ASSERT_TRUE(ck.ok()) << ck.status();
         const GPTConfig& r = ck->config;
