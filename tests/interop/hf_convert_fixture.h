@@ -20,6 +20,55 @@
 
 namespace ptk::testing {
 
+// The MoE lines' small model (hf_mixtral, hf_qwen2_moe and hf_qwen3_moe_convert_test): `layers` layers of hidden 8,
+// 2 heads in 1 query group, dense MLPs of width 12, 16 positions, a vocabulary of 20 padded to 24; the Llama line's
+// RMSNorm, RoPE and SwiGLU without linear biases, untied output weights; four experts of width 6, top 2, aux loss 0.01.
+inline GPTConfig SmallMoeLlama(int64_t layers) {
+  GPTConfig c;
+  c.num_layers = layers;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.num_query_groups = 1;
+  c.ffn_hidden_size = 12;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 20;
+  c.padded_vocab_size = 24;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.add_bias_linear = false;
+  c.untie_embeddings_and_output_weights = true;
+  c.num_experts = 4;
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 6;
+  c.moe_aux_loss_coeff = 0.01;
+  return c;
+}
+
+// A change to a model, and a part of the reason an export's check gives for refusing it.
+struct ExportRefusal {
+  void (*change)(GPTConfig*);
+  const char* reason;
+};
+// Each of `cases` applied to `base` and given to `check` (an HF line's Check*Exportable) for the file
+// dir/model_optim_rng.ptk: refused (kFailedPrecondition) in a message that starts with `prefix` and holds the
+// case's reason; with `one_line`, in one line.
+inline void ExpectExportRefusals(const GPTConfig& base, absl::Status (*check)(const GPTConfig&, const std::string&),
+                                 const std::string& prefix, const std::vector<ExportRefusal>& cases, bool one_line) {
+  for (const ExportRefusal& k : cases) {
+    GPTConfig c = base;
+    k.change(&c);
+    const absl::Status st = check(c, "dir/model_optim_rng.ptk");
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << k.reason;
+    const std::string msg(st.message());
+    EXPECT_EQ(msg.rfind(prefix, 0), 0u) << msg;
+    EXPECT_NE(msg.find(k.reason), std::string::npos) << msg;
+    if (one_line) {
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
+  }
+}
+
 class HfConvertFixture : public ::testing::Test {
  protected:
   // A checkpoint of `c` at `iteration` recording `settings`, its weights Megatron's init plus a

@@ -31,27 +31,7 @@ namespace ptk::hf_detail {
 namespace {
 
 // Four SwiGLU experts of width 6 in each of 2 layers, top 2 after the softmax, the Llama line's dense parts.
-GPTConfig Mixtral() {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
-  c.num_query_groups = 1;
-  c.ffn_hidden_size = 12;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 20;
-  c.padded_vocab_size = 24;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  c.add_bias_linear = false;
-  c.untie_embeddings_and_output_weights = true;
-  c.num_experts = 4;
-  c.moe_router_topk = 2;
-  c.moe_ffn_hidden_size = 6;
-  c.moe_aux_loss_coeff = 0.01;
-  return c;
-}
+GPTConfig Mixtral() { return ptk::testing::SmallMoeLlama(2); }
 
 TEST(HfMixtral, TheRouterAndExpertsLandInMixtralsNamesAndOrder) {
   const GPTConfig c = Mixtral();
@@ -114,11 +94,7 @@ TEST(HfMixtral, ConfigJsonHoldsTheExpertsSettings) {
 
 TEST(HfMixtral, WhatMixtralCannotComputeIsRefusedNamingIt) {
   EXPECT_TRUE(CheckMixtralExportable(Mixtral(), "F").ok());
-  struct Case {
-    void (*change)(GPTConfig*);
-    const char* reason;
-  };
-  const Case cases[] = {
+  const std::vector<ptk::testing::ExportRefusal> cases = {
       {[](GPTConfig* c) { c->moe_router_pre_softmax = true; }, "--moe-router-pre-softmax (Mixtral renormalises"},
       {[](GPTConfig* c) { c->moe_router_sigmoid = true; }, "--moe-router-score-function sigmoid"},
       {[](GPTConfig* c) { c->moe_router_topk_scaling_factor = 2.5; },
@@ -148,19 +124,11 @@ TEST(HfMixtral, WhatMixtralCannotComputeIsRefusedNamingIt) {
       {[](GPTConfig* c) { c->qk_layernorm = true; }, "--qk-layernorm"},
       {[](GPTConfig* c) { c->kv_channels = 8; }, "--kv-channels 8 with 2 heads of hidden size 8"},
   };
-  for (const Case& k : cases) {
-    GPTConfig c = Mixtral();
-    k.change(&c);
-    const absl::Status st = CheckMixtralExportable(c, "dir/model_optim_rng.ptk");
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << k.reason;
-    const std::string msg(st.message());
-    EXPECT_EQ(msg.rfind("dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4) is not one Hugging "
-                        "Face's MixtralForCausalLM computes: ",
-                        0),
-              0u)
-        << msg;
-    EXPECT_NE(msg.find(k.reason), std::string::npos) << msg;
-  }
+  ptk::testing::ExpectExportRefusals(
+      Mixtral(), CheckMixtralExportable,
+      "dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4) is not one Hugging "
+      "Face's MixtralForCausalLM computes: ",
+      cases, /*one_line=*/false);
 }
 
 class HfMixtralLoad : public ptk::testing::HfConvertFixture {};

@@ -32,25 +32,8 @@ namespace {
 // Three layers, the first dense (width 12), the others four SwiGLU experts of width 6, top 2, and a shared expert
 // of width 10 with its sigmoid gate; q, k and v biased, 2 heads of hidden 8 in 1 group.
 GPTConfig Qwen2Moe() {
-  GPTConfig c;
-  c.num_layers = 3;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
-  c.num_query_groups = 1;
-  c.ffn_hidden_size = 12;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 20;
-  c.padded_vocab_size = 24;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  c.add_bias_linear = false;
+  GPTConfig c = ptk::testing::SmallMoeLlama(3);
   c.add_qkv_bias = true;
-  c.untie_embeddings_and_output_weights = true;
-  c.num_experts = 4;
-  c.moe_router_topk = 2;
-  c.moe_ffn_hidden_size = 6;
-  c.moe_aux_loss_coeff = 0.01;
   c.moe_layer_pattern = {0, 1, 1};
   c.moe_shared_expert_intermediate_size = 10;
   c.moe_shared_expert_gate = true;
@@ -118,11 +101,7 @@ TEST(HfQwen2Moe, ConfigJsonHoldsTheSharedExpertAndQkvBias) {
 
 TEST(HfQwen2Moe, WhatQwen2MoeCannotComputeIsRefusedNamingIt) {
   EXPECT_TRUE(CheckMoeExportable(Qwen2Moe(), "F").ok());
-  struct Case {
-    void (*change)(GPTConfig*);
-    const char* reason;
-  };
-  const Case cases[] = {
+  const std::vector<ptk::testing::ExportRefusal> cases = {
       {[](GPTConfig* c) { c->moe_shared_expert_gate = false; },
        "--moe-shared-expert-intermediate-size without --moe-shared-expert-gate (Qwen2-MoE scales its shared expert "
        "by sigmoid(shared_expert_gate), always)"},
@@ -139,19 +118,11 @@ TEST(HfQwen2Moe, WhatQwen2MoeCannotComputeIsRefusedNamingIt) {
       {[](GPTConfig* c) { c->add_bias_linear = true; }, "linear biases (Qwen2-MoE biases q, k and v only"},
       {[](GPTConfig* c) { c->kv_channels = 8; }, "--kv-channels 8 with 2 heads of hidden size 8"},
   };
-  for (const Case& k : cases) {
-    GPTConfig c = Qwen2Moe();
-    k.change(&c);
-    const absl::Status st = CheckMoeExportable(c, "dir/model_optim_rng.ptk");
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << k.reason;
-    const std::string msg(st.message());
-    EXPECT_EQ(msg.rfind("dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4 with shared "
-                        "experts) is not one Hugging Face's Qwen2MoeForCausalLM computes: ",
-                        0),
-              0u)
-        << msg;
-    EXPECT_NE(msg.find(k.reason), std::string::npos) << msg;
-  }
+  ptk::testing::ExpectExportRefusals(
+      Qwen2Moe(), CheckMoeExportable,
+      "dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4 with shared "
+      "experts) is not one Hugging Face's Qwen2MoeForCausalLM computes: ",
+      cases, /*one_line=*/false);
 }
 
 class HfQwen2MoeRoundTrip : public ptk::testing::HfConvertFixture {

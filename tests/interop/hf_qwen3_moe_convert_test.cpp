@@ -32,26 +32,9 @@ namespace {
 // Three layers, the first dense (width 12), the others four SwiGLU experts of width 6, top 2; query and key norms,
 // head_dim 8 with 2 heads of hidden 8 (not hidden / heads).
 GPTConfig Qwen3Moe() {
-  GPTConfig c;
-  c.num_layers = 3;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
-  c.num_query_groups = 1;
+  GPTConfig c = ptk::testing::SmallMoeLlama(3);
   c.kv_channels = 8;
-  c.ffn_hidden_size = 12;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 20;
-  c.padded_vocab_size = 24;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  c.add_bias_linear = false;
   c.qk_layernorm = true;
-  c.untie_embeddings_and_output_weights = true;
-  c.num_experts = 4;
-  c.moe_router_topk = 2;
-  c.moe_ffn_hidden_size = 6;
-  c.moe_aux_loss_coeff = 0.01;
   c.moe_layer_pattern = {0, 1, 1};
   return c;
 }
@@ -133,11 +116,7 @@ TEST(HfQwen3Moe, WhatQwen3MoeCannotComputeIsRefusedNamingIt) {
   GPTConfig pre = Qwen3Moe();
   pre.moe_router_pre_softmax = true;
   EXPECT_TRUE(CheckMoeExportable(pre, "F").ok());  // norm_topk_prob false
-  struct Case {
-    void (*change)(GPTConfig*);
-    const char* reason;
-  };
-  const Case cases[] = {
+  const std::vector<ptk::testing::ExportRefusal> cases = {
       {[](GPTConfig* c) { c->moe_router_sigmoid = true; }, "--moe-router-score-function sigmoid"},
       {[](GPTConfig* c) { c->moe_router_topk_scaling_factor = 2.5; },
        "--moe-router-topk-scaling-factor 2.5 (Qwen3-MoE's probabilities are not scaled)"},
@@ -159,20 +138,11 @@ TEST(HfQwen3Moe, WhatQwen3MoeCannotComputeIsRefusedNamingIt) {
        "--use-rope-scaling with --rotary-seq-len-interpolation-factor"},
       {[](GPTConfig* c) { c->add_qkv_bias = true; }, "linear biases"},
   };
-  for (const Case& k : cases) {
-    GPTConfig c = Qwen3Moe();
-    k.change(&c);
-    const absl::Status st = CheckMoeExportable(c, "dir/model_optim_rng.ptk");
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << k.reason;
-    const std::string msg(st.message());
-    EXPECT_EQ(msg.rfind("dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4 --qk-layernorm) is "
-                        "not one Hugging Face's Qwen3MoeForCausalLM computes: ",
-                        0),
-              0u)
-        << msg;
-    EXPECT_NE(msg.find(k.reason), std::string::npos) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-  }
+  ptk::testing::ExpectExportRefusals(
+      Qwen3Moe(), CheckMoeExportable,
+      "dir/model_optim_rng.ptk: this mixture-of-experts model (--num-experts 4 --qk-layernorm) is "
+      "not one Hugging Face's Qwen3MoeForCausalLM computes: ",
+      cases, /*one_line=*/true);
 }
 
 // The Qwen3-MoE shape with GPT-2's vocabulary (what the export's built-in tokenizer has), saved at iteration 5.
