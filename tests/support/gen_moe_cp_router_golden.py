@@ -19,14 +19,12 @@ Lines: "case NAME", then "context C rank R", then "NAME v v v ..." (%.9g each): 
 the rank's tokens in [position, sample] order, lbl, seq, global, z, counts (E), dx (like x), dw (E, H); and once
 per case "weight", "bias" (E), "g" (S, B, E).
 """
-import os
-import sys
-import tempfile
 import warnings
+
+from router_golden_common import B, E, H, S, print_golden, start_router, tracked, write_rank
 
 warnings.filterwarnings("ignore")
 
-S, B, H, E, K = 8, 2, 6, 4, 2
 CASES = {
     # softmax top-2, the aux loss and the z-loss, Megatron's default loss normalisation
     "aux_z": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.03),
@@ -58,31 +56,10 @@ def positions(rank, world):
 
 
 def rank_main(rank, world, store, name, out):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch
-    import torch.distributed as dist
-    from make_torch_dist_distopt_fixture import cpu_shims
-    cpu_shims(torch)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    if not hasattr(moe_utils, "te_general_gemm"):  # the torch.mm path without Transformer Engine (mcore_golden.py)
-        moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
-    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
-                            moe_router_topk=K, context_parallel_size=world, use_cpu_initialization=True,
-                            add_bias_linear=False, **CASES[name])
-    router = TopKRouter(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    router.set_layer_number(1)
-    x, w, g, bias = tensors(torch)
-    with torch.no_grad():
-        router.weight.copy_(w)
-        if router.expert_bias is not None:
-            router.expert_bias.copy_(bias)
-    router.train()
+    torch, moe_utils, router, (x, w, g, bias) = start_router(
+        rank, world, store, tensors,
+        lambda parallel_state: parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world),
+        dict(context_parallel_size=world, **CASES[name]))
     per_token = CASES[name].get("calculate_per_token_loss", False)
     moe_utils.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else float(world)))
     pos = positions(rank, world)
@@ -92,51 +69,15 @@ def rank_main(rank, world, store, name, out):
     probs, routing_map = router(xr)
     # The main loss's share: times the context size as forward_step_calc_loss multiplies it (1 per token).
     ((probs * gr).sum() * (1.0 if per_token else float(world))).backward()
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-
-    def tracked(key):
-        return float(tracker[key]["values"][0]) if key in tracker else 0.0
     counts = router.local_tokens_per_expert if router.local_tokens_per_expert is not None else torch.zeros(E)
-    with open(out, "w") as f:
-        def put(key, t):
-            f.write(key + " " + " ".join(f"{float(v):.9g}" for v in t.detach().reshape(-1)) + "\n")
-        put("pos", torch.tensor(pos))
-        put("x", xr)
-        put("probs", probs)
-        put("map", routing_map.float())
-        put("lbl", torch.tensor([tracked("load_balancing_loss")]))
-        put("seq", torch.tensor([tracked("seq_load_balancing_loss")]))
-        put("global", torch.tensor([tracked("global_load_balancing_loss")]))
-        put("z", torch.tensor([tracked("z_loss")]))
-        put("counts", counts)
-        put("dx", xr.grad)
-        put("dw", router.weight.grad)
-    dist.destroy_process_group()
-
-
-def main():
-    import torch
-    import multiprocessing as mp
-    for name in CASES:
-        print(f"case {name}")
-        x, w, g, bias = tensors(torch)
-        for key, t in (("weight", w), ("bias", bias), ("g", g)):
-            print(key + " " + " ".join(f"{float(v):.9g}" for v in t.reshape(-1)))
-        for world in (1, 2):
-            with tempfile.TemporaryDirectory() as tmp:
-                outs = [os.path.join(tmp, f"rank{r}") for r in range(world)]
-                procs = [mp.get_context("spawn").Process(
-                    target=rank_main, args=(r, world, os.path.join(tmp, "store"), name, outs[r]))
-                    for r in range(world)]
-                for p in procs:
-                    p.start()
-                for p in procs:
-                    p.join()
-                    assert p.exitcode == 0, f"a rank failed: {p.exitcode}"
-                for r in range(world):
-                    print(f"context {world} rank {r}")
-                    sys.stdout.write(open(outs[r]).read())
+    write_rank(out, [("pos", torch.tensor(pos)), ("x", xr), ("probs", probs), ("map", routing_map.float()),
+                     ("lbl", torch.tensor([tracked(moe_utils, "load_balancing_loss")])),
+                     ("seq", torch.tensor([tracked(moe_utils, "seq_load_balancing_loss")])),
+                     ("global", torch.tensor([tracked(moe_utils, "global_load_balancing_loss")])),
+                     ("z", torch.tensor([tracked(moe_utils, "z_loss")])), ("counts", counts), ("dx", xr.grad),
+                     ("dw", router.weight.grad)])
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    print_golden(CASES, tensors, rank_main, "context")

@@ -22,6 +22,7 @@
 
 #include "tests/test_util.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/router_golden.h"
 #include "trainer/cpu/moe_balance_cpu.h"
 #include "trainer/cpu/moe_cpu.h"
 
@@ -30,43 +31,12 @@ namespace {
 
 constexpr int64_t S = 8, B = 2, H = 6, E = 4, K = 2;
 
-struct GoldenCase {
-  std::map<std::string, std::vector<double>> shared;
-  std::map<std::string, std::map<std::string, std::vector<double>>> ranks;  // "C r" -> key -> values
-};
-
-std::map<std::string, GoldenCase> ReadGolden() {
-  std::istringstream in(testing::ReadFile(testing::SourceDir() + "/tests/data/trainer/moe_cp_router_golden.txt"));
-  std::map<std::string, GoldenCase> cases;
-  std::string line, name, rank;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string key;
-    words >> key;
-    if (key == "case") {
-      words >> name;
-      rank.clear();
-      continue;
-    }
-    if (key == "context") {
-      std::string c, word, r;
-      words >> c >> word >> r;
-      rank = c + " " + r;
-      continue;
-    }
-    std::vector<double> v;
-    for (double x; words >> x;) v.push_back(x);
-    (rank.empty() ? cases[name].shared[key] : cases[name].ranks[rank][key]) = v;
-  }
-  return cases;
-}
+using GoldenCase = testing::RouterGoldenCase;
 
 std::mutex mu;  // the ranks' threads' expectations and the worst difference
 double worst = 0;
 ::testing::AssertionResult Near(double got, double want, double tolerance) {
-  worst = std::max(worst, std::abs(got - want));
-  if (std::abs(got - want) <= tolerance) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << got << " vs Megatron's " << want << " (tolerance " << tolerance << ")";
+  return testing::NearMegatron(got, want, tolerance, &worst);
 }
 ::testing::AssertionResult NearRelative(double got, double want) {
   return Near(got, want, 1e-5 * std::max(std::abs(want), 1e-3));
@@ -163,7 +133,7 @@ void CheckRank(const GoldenCase& g, const Coeffs& c, int C, int r, Communicator*
 }
 
 TEST(MoeContextParallelRouterGolden, EachRanksRoutingLossesAndGradientsAreMegatronCores) {
-  const auto cases = ReadGolden();
+  const auto cases = testing::ReadRouterGolden("moe_cp_router_golden.txt", "context");
   ASSERT_EQ(cases.size(), 4u);
   for (const auto& [name, g] : cases) {
     const Coeffs c = CoeffsOf(name);

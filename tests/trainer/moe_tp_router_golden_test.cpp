@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/router_golden.h"
 #include "trainer/cpu/moe_cpu.h"
 
 namespace ptk {
@@ -25,44 +26,12 @@ namespace {
 
 constexpr int64_t S = 8, B = 2, H = 6, E = 4, K = 2;
 
-// One case of the golden: its shared tensors and, per "T r", the rank's.
-struct GoldenCase {
-  std::map<std::string, std::vector<double>> shared;
-  std::map<std::string, std::map<std::string, std::vector<double>>> ranks;  // "T r" -> key -> values
-};
-
-std::map<std::string, GoldenCase> ReadGolden() {
-  std::istringstream in(testing::ReadFile(testing::SourceDir() + "/tests/data/trainer/moe_tp_router_golden.txt"));
-  std::map<std::string, GoldenCase> cases;
-  std::string line, name, rank;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string key;
-    words >> key;
-    if (key == "case") {
-      words >> name;
-      rank.clear();
-      continue;
-    }
-    if (key == "tensor") {
-      std::string t, word, r;
-      words >> t >> word >> r;
-      rank = t + " " + r;
-      continue;
-    }
-    std::vector<double> v;
-    for (double x; words >> x;) v.push_back(x);
-    (rank.empty() ? cases[name].shared[key] : cases[name].ranks[rank][key]) = v;
-  }
-  return cases;
-}
+using GoldenCase = testing::RouterGoldenCase;
 
 // The largest absolute difference seen by Near (printed after the cases).
 double worst_difference = 0;
 ::testing::AssertionResult Near(double got, double want, double tolerance) {
-  worst_difference = std::max(worst_difference, std::abs(got - want));
-  if (std::abs(got - want) <= tolerance) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << got << " vs Megatron's " << want << " (tolerance " << tolerance << ")";
+  return testing::NearMegatron(got, want, tolerance, &worst_difference);
 }
 
 void CheckCase(const std::string& name, const GoldenCase& g, int64_t T) {
@@ -134,7 +103,7 @@ void CheckCase(const std::string& name, const GoldenCase& g, int64_t T) {
 }
 
 TEST(MoeTensorParallelRouterGolden, EachRanksRoutingLossesAndGradientsAreMegatronCores) {
-  const auto cases = ReadGolden();
+  const auto cases = testing::ReadRouterGolden("moe_tp_router_golden.txt", "tensor");
   ASSERT_EQ(cases.size(), 2u);
   for (const auto& [name, g] : cases) {
     for (int64_t T : {1, 2}) CheckCase(name, g, T);
