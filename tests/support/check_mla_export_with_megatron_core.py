@@ -52,13 +52,14 @@ CPU only, one gloo rank (mcore_golden.one_cpu_rank), then two (check_mla_tp2.py)
 """
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import export_check_common  # noqa: E402
 import gen_mla_golden  # noqa: E402  (mla_core_attention)
 import mcore_golden  # noqa: E402  (one_cpu_rank)
+from export_check_common import check, failures, names_of, run  # noqa: E402
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2]
 NAMES_OUT = sys.argv[3] if len(sys.argv) > 3 else None
@@ -86,20 +87,6 @@ CASES = {
                              "--moe-aux-loss-coeff", "0.01"],
 }
 SEQS = [[1, 464, 210, 286, 262, 99, 318, 257], [11, 329, 17, 42, 99, 100, 310, 7, 8, 9, 10, 12]]
-failures = []
-
-
-def check(cond, what):
-    print(("ok: " if cond else "FAIL: ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def run(args):
-    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        raise SystemExit("{} failed:\n{}".format(" ".join(args), r.stdout[-3000:]))
-    return r.stdout
 
 
 def config_from_args(torch, a):
@@ -191,28 +178,7 @@ def check_distopt(torch, name, tmp):
 
 
 def ptk_logits(numpy, ck, tmp):
-    seq_file, out = os.path.join(tmp, "seqs.txt"), os.path.join(tmp, "logits.f32")
-    with open(seq_file, "w") as f:
-        for s in SEQS:
-            f.write(" ".join(map(str, s)) + "\n")
-    run([os.path.join(TEST_BIN, "logits_tool"), ck, seq_file, out])
-    flat, res, at = numpy.fromfile(out, dtype=numpy.float32), [], 0
-    for s in SEQS:
-        res.append(flat[at:at + len(s) * VOCAB].reshape(len(s), VOCAB))
-        at += len(s) * VOCAB
-    return res
-
-
-def names_of(gpt):
-    """state_dict's entries in order: (kind, name, shape)."""
-    params = dict(gpt.named_parameters())
-    buffers = dict(gpt.named_buffers())
-    out = []
-    for n, v in gpt.state_dict(keep_vars=True).items():
-        kind = "param" if n in params else "buffer" if n in buffers else "extra"
-        shape = "x".join(str(d) for d in v.shape) if kind != "extra" else "-"
-        out.append((kind, n, shape or "scalar"))
-    return out
+    return export_check_common.ptk_logits(numpy, TEST_BIN, ck, tmp, SEQS, VOCAB)
 
 
 def check_case(torch, numpy, name, flags, tmp, names):

@@ -20,11 +20,12 @@ CPU only, one gloo rank, CUDA calls pointed at the CPU (make_torch_dist_distopt_
       build/bin build/tests
 """
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import export_check_common  # noqa: E402
+from export_check_common import check, failures, run  # noqa: E402
 from make_torch_dist_distopt_fixture import cpu_shims  # noqa: E402
 import gen_moe_golden  # noqa: E402  (stable_token_dropping: the "position" policy's ties as Megatron documents)
 
@@ -56,20 +57,6 @@ CASES = {
         "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
 }
 SEQS = [[50256, 464, 2106, 286, 262, 995, 318, 257], [11, 3290, 17, 42, 99, 1000, 31000, 7, 8, 9, 10, 12]]
-failures = []
-
-
-def check(cond, what):
-    print(("ok: " if cond else "FAIL: ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def run(args):
-    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        raise SystemExit("{} failed:\n{}".format(" ".join(args), r.stdout[-3000:]))
-    return r.stdout
 
 
 def build(torch, args):
@@ -111,16 +98,7 @@ def build(torch, args):
 
 
 def ptk_logits(numpy, ck, tmp, vocab):
-    seq_file, out = os.path.join(tmp, "seqs.txt"), os.path.join(tmp, "logits.f32")
-    with open(seq_file, "w") as f:
-        for s in SEQS:
-            f.write(" ".join(map(str, s)) + "\n")
-    run([os.path.join(TEST_BIN, "logits_tool"), ck, seq_file, out])
-    flat, res, at = numpy.fromfile(out, dtype=numpy.float32), [], 0
-    for s in SEQS:
-        res.append(flat[at:at + len(s) * vocab].reshape(len(s), vocab))
-        at += len(s) * vocab
-    return res
+    return export_check_common.ptk_logits(numpy, TEST_BIN, ck, tmp, SEQS, vocab)
 
 
 def check_case(torch, numpy, name, flags, tmp):

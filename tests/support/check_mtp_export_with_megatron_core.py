@@ -30,12 +30,12 @@ CPU only, one gloo rank (mcore_golden.one_cpu_rank), then two; run by hand:
 """
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mcore_golden  # noqa: E402  (one_cpu_rank)
+from export_check_common import check, failures, names_of, run  # noqa: E402
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2]
 NAMES_OUT = sys.argv[3] if len(sys.argv) > 3 else None
@@ -52,20 +52,6 @@ CASES = {
                      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"],
 }
 SEQS = [[1, 464, 210, 286, 262, 99, 318, 257], [11, 329, 17, 42, 99, 100, 310, 7, 8, 9, 10, 12]]
-failures = []
-
-
-def check(cond, what):
-    print(("ok: " if cond else "FAIL: ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def run(args):
-    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        raise SystemExit("{} failed:\n{}".format(" ".join(args), r.stdout[-3000:]))
-    return r.stdout
 
 
 def build(torch, a):
@@ -130,17 +116,6 @@ def megatron_losses(torch, gpt, n):
         lm = float((per_token.float() * mask).sum() / mask.sum())
         values = MTPLossLoggingHelper.tracker["values"]
         out.append([lm] + [float(values[k]) for k in range(n)])
-    return out
-
-
-def names_of(gpt):
-    params = dict(gpt.named_parameters())
-    buffers = dict(gpt.named_buffers())
-    out = []
-    for n, v in gpt.state_dict(keep_vars=True).items():
-        kind = "param" if n in params else "buffer" if n in buffers else "extra"
-        shape = "x".join(str(d) for d in v.shape) if kind != "extra" else "-"
-        out.append((kind, n, shape or "scalar"))
     return out
 
 
