@@ -38,28 +38,10 @@ class GatedGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     auto cfg = g_.meta["config"];
-    auto str = [&](const char* k) { return std::string(cfg[k].get_string().value()); };
-    GPTConfig c;
-    c.num_layers = g_.Int("num_layers");
-    c.hidden_size = g_.Int("hidden_size");
-    c.num_attention_heads = g_.Int("num_attention_heads");
+    GPTConfig c = g_.AttentionShape();
     c.num_query_groups = g_.Int("num_query_groups");
-    c.ffn_hidden_size = g_.Int("ffn_hidden_size");
-    c.seq_length = g_.Int("seq_length");
-    c.max_position_embeddings = g_.Int("max_position_embeddings");
-    c.vocab_size = g_.Int("vocab_size");
-    c.padded_vocab_size = g_.Int("padded_vocab_size");
-    c.init_method_std = g_.Num("init_method_std");
     c.layernorm_epsilon = g_.Num("layernorm_epsilon");
     c.rotary_base = g_.Num("rotary_base");
-    c.untie_embeddings_and_output_weights = true;
-    c.add_bias_linear = cfg["add_bias_linear"].get_bool();
-    c.swiglu = cfg["swiglu"].get_bool();
-    c.gelu_exact = !c.swiglu;  // Megatron's GELU MLP without the bias-GELU fusion: torch's exact GELU
-    c.hidden_dropout = c.attention_dropout = 0.0;
-    c.normalization = str("normalization") == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm;
-    c.position_embedding =
-        str("position_embedding_type") == "rope" ? PositionEmbedding::kRope : PositionEmbedding::kLearnedAbsolute;
     c.attention_output_gate = cfg["attention_output_gate"].get_bool();
     c.qk_l2_norm = cfg["qk_l2_norm"].get_bool();
     config_ = c;
@@ -93,14 +75,11 @@ TEST_P(GatedGolden, TheLayoutIsMegatronCores) {
   auto layout = ParamLayout::Create(config_);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<std::string> theirs, mine;
-  for (auto e : g_.meta["param_order"].get_array()) {
-    const std::string name(e.get_string().value());
+  for (const std::string& name : g_.ParamOrder()) {
     theirs.push_back(name);
     const ParamInfo* p = layout->Find(name);
     ASSERT_NE(p, nullptr) << name;
-    std::vector<int64_t> shape;
-    for (auto d : g_.meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
-    EXPECT_EQ(p->shape, shape) << name;
+    EXPECT_EQ(p->shape, g_.InitShape(name)) << name;
   }
   for (const ParamInfo& p : layout->infos) mine.push_back(p.name);
   std::sort(theirs.begin(), theirs.end());
@@ -139,13 +118,7 @@ TEST_P(GatedGolden, ThreeOptimizerStepsMatchMegatron) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
   }
-  double worst = 0;
-  for (const ParamInfo& p : model->params_info()) {
-    const double e = RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name));
-    EXPECT_LE(e, 2e-4) << p.name;
-    worst = std::max(worst, e);
-  }
-  std::printf("largest final weight difference %.3g\n", worst);
+  g_.ExpectFinalWeights(*model, 2e-4);
 }
 
 // Without the L2 norm (the gate's rows being the layout's, it cannot be left out of the same weights) the gradients

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -22,6 +23,8 @@
 #include "trainer/train_step.h"
 
 namespace ptk::testing {
+
+inline double RelError(const float* a, const std::vector<float>& b);
 
 struct Golden {
   simdjson::dom::parser parser;
@@ -66,6 +69,37 @@ struct Golden {
     return c;
   }
 
+  // Shape() with what the attention variants' goldens (gated_attention, mla) record besides: the initialisation, the
+  // linear biases, the MLP (SwiGLU, or GELU as torch computes it exactly without the bias-GELU fusion), the norm
+  // and the position embedding; untied output weights and no dropout.
+  GPTConfig AttentionShape() {
+    auto cfg = meta["config"];
+    auto str = [&](const char* k) { return std::string(cfg[k].get_string().value()); };
+    GPTConfig c = Shape();
+    c.init_method_std = Num("init_method_std");
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = cfg["add_bias_linear"].get_bool();
+    c.swiglu = cfg["swiglu"].get_bool();
+    c.gelu_exact = !c.swiglu;
+    c.hidden_dropout = c.attention_dropout = 0.0;
+    c.normalization = str("normalization") == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm;
+    c.position_embedding =
+        str("position_embedding_type") == "rope" ? PositionEmbedding::kRope : PositionEmbedding::kLearnedAbsolute;
+    return c;
+  }
+  // megatron-core's tensor names, in its order (param_order).
+  std::vector<std::string> ParamOrder() {
+    std::vector<std::string> names;
+    for (auto e : meta["param_order"].get_array()) names.emplace_back(e.get_string().value());
+    return names;
+  }
+  // The shape of megatron-core's tensor `name` (its initial value's, "init:NAME").
+  std::vector<int64_t> InitShape(const std::string& name) {
+    std::vector<int64_t> shape;
+    for (auto d : meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
+    return shape;
+  }
+
   // The reference's initial weights (tensors "init:NAME") in `layout`'s order, each tensor's size checked.
   std::vector<float> InitWeights(const ParamLayout& layout) {
     std::vector<float> w(static_cast<size_t>(layout.num_params));
@@ -75,6 +109,18 @@ struct Golden {
       std::copy(t.begin(), t.end(), w.begin() + p.offset);
     }
     return w;
+  }
+  // Each of `model`'s weights (a CpuGPTModel's) within `tolerance` relative of the reference's after its steps
+  // ("final:NAME"); the largest difference printed.
+  template <typename Model>
+  void ExpectFinalWeights(Model& model, double tolerance) {
+    double worst = 0;
+    for (const ParamInfo& p : model.params_info()) {
+      const double e = RelError(model.params() + p.offset, Tensor<float>("final:" + p.name));
+      EXPECT_LE(e, tolerance) << p.name;
+      worst = std::max(worst, e);
+    }
+    std::printf("largest final weight difference %.3g\n", worst);
   }
   int64_t GlobalBatch() { return Int("micro_batch_size") * Int("num_micro_batches"); }
   // The megatron-core goldens' schedule (gen_moe_golden.py's kind): lr constant over their few steps.
@@ -109,6 +155,20 @@ struct Golden {
     return s;
   }
 };
+
+// megatron-core's parameter count of golden NAME's model (tests/data/trainer/NAME.json): its tensors' sizes, for the
+// CLI tests' --dry-run.
+inline int64_t MegatronParamCount(const std::string& name) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta = parser.load(SourceDir() + "/tests/data/trainer/" + name + ".json");
+  int64_t megatron = 0;
+  for (auto e : meta["param_order"].get_array()) {
+    int64_t n = 1;
+    for (auto d : meta["tensors"]["init:" + std::string(e.get_string().value())]["shape"].get_array()) n *= int64_t(d);
+    megatron += n;
+  }
+  return megatron;
+}
 
 // The golden's micro-batches: tensors PREFIX + tokens, labels and loss_mask, num_micro_batches
 // micro-batches of micro_batch_size x seq_length a step, positions 0..t-1 in every row.

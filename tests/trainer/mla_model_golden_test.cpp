@@ -35,24 +35,7 @@ class MlaGolden : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     auto cfg = g_.meta["config"];
     auto str = [&](const char* k) { return std::string(cfg[k].get_string().value()); };
-    GPTConfig c;
-    c.num_layers = g_.Int("num_layers");
-    c.hidden_size = g_.Int("hidden_size");
-    c.num_attention_heads = g_.Int("num_attention_heads");
-    c.ffn_hidden_size = g_.Int("ffn_hidden_size");
-    c.seq_length = g_.Int("seq_length");
-    c.max_position_embeddings = g_.Int("max_position_embeddings");
-    c.vocab_size = g_.Int("vocab_size");
-    c.padded_vocab_size = g_.Int("padded_vocab_size");
-    c.init_method_std = g_.Num("init_method_std");
-    c.untie_embeddings_and_output_weights = true;
-    c.add_bias_linear = cfg["add_bias_linear"].get_bool();
-    c.swiglu = cfg["swiglu"].get_bool();
-    c.gelu_exact = !c.swiglu;  // Megatron's GELU MLP without the bias-GELU fusion: torch's exact GELU
-    c.hidden_dropout = c.attention_dropout = 0.0;
-    c.normalization = str("normalization") == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm;
-    c.position_embedding =
-        str("position_embedding_type") == "rope" ? PositionEmbedding::kRope : PositionEmbedding::kLearnedAbsolute;
+    GPTConfig c = g_.AttentionShape();
     c.qk_layernorm = cfg["qk_layernorm"].get_bool();
     c.multi_latent_attention = true;
     c.q_lora_rank = g_.Int("q_lora_rank");
@@ -88,13 +71,10 @@ TEST_P(MlaGolden, TheLayoutIsMegatronCores) {
   // Every tensor megatron-core has, of its shape, and no other.
   EXPECT_EQ(layout->infos.size(), g_.meta["param_order"].get_array().size());
   std::vector<std::string> attention;  // megatron-core's order of MLA's parameters (linear_proj aside)
-  for (auto e : g_.meta["param_order"].get_array()) {
-    const std::string name(e.get_string().value());
+  for (const std::string& name : g_.ParamOrder()) {
     const ParamInfo* p = layout->Find(name);
     ASSERT_NE(p, nullptr) << name;
-    std::vector<int64_t> shape;
-    for (auto d : g_.meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
-    EXPECT_EQ(p->shape, shape) << name;
+    EXPECT_EQ(p->shape, g_.InitShape(name)) << name;
     if (name.find(".self_attention.") != std::string::npos && name.find("linear_proj") == std::string::npos)
       attention.push_back(name);
   }
@@ -137,13 +117,7 @@ TEST_P(MlaGolden, ThreeOptimizerStepsMatchMegatron) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_LE(std::abs(r->lm_loss() - Want(s, "lm_loss")), 1e-5) << "step " << s;
   }
-  double worst = 0;
-  for (const ParamInfo& p : model->params_info()) {
-    const double e = RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name));
-    EXPECT_LE(e, 1e-4) << p.name;
-    worst = std::max(worst, e);
-  }
-  std::printf("largest final weight difference %.3g\n", worst);
+  g_.ExpectFinalWeights(*model, 1e-4);
 }
 
 // With the other rope type (plain rope for yarn; yarn of factor 4 for rope) the gradients differ from

@@ -80,13 +80,10 @@ TEST_P(SwaGolden, TheLayoutAndWindowedLayersAreMegatronCores) {
   auto layout = ParamLayout::Create(config_);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ(layout->infos.size(), g_.meta["param_order"].get_array().size());
-  for (auto e : g_.meta["param_order"].get_array()) {
-    const std::string name(e.get_string().value());
+  for (const std::string& name : g_.ParamOrder()) {
     const ParamInfo* p = layout->Find(name);
     ASSERT_NE(p, nullptr) << name;
-    std::vector<int64_t> shape;
-    for (auto d : g_.meta["tensors"]["init:" + name]["shape"].get_array()) shape.push_back(int64_t(d));
-    EXPECT_EQ(p->shape, shape) << name;
+    EXPECT_EQ(p->shape, g_.InitShape(name)) << name;
     if (name.ends_with(".softmax_offset")) {
       EXPECT_TRUE(p->no_weight_decay) << name;  // 1-D: Megatron's wd_mult 0
     }
