@@ -9,9 +9,9 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/golden_util.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -28,31 +28,15 @@ constexpr char kGated[] =
 class GatedTrainCli : public testing::RanksTest {
  protected:
   GatedTrainCli() : RanksTest(testing::kSmallVocabEod) {}
-  std::string Common(int64_t iters) {
-    return " --micro-batch-size 1 " + testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters);
-  }
   std::string Train(const std::string& extra, int64_t iters = 6) {
     return testing::Tool("ptk-train") + " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" +
-           Common(iters) + kGated + " " + extra;
+           SmallRun(iters) + kGated + " " + extra;
   }
 };
 
 TEST_F(GatedTrainCli, TrainsSavesAndResumesBitForBit) {
-  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
-  ASSERT_EQ(a.size(), 6u) << whole.output;
-  ASSERT_EQ(b.size(), 3u) << resumed.output;
-  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> b;
+  ASSERT_NO_FATAL_FAILURE(ExpectResumeBitForBit([&](const std::string& x) { return Train(x); }, &b));
   // linear_qkv holds the gate rows: per query group 2 query, 2 gate, 1 key and 1 value head of 8 channels.
   GPTConfig c = testing::TinyModel(1000, 1024);
   c.num_layers = 2;
@@ -72,13 +56,13 @@ TEST_F(GatedTrainCli, TrainsSavesAndResumesBitForBit) {
   EXPECT_TRUE(loaded.ok()) << loaded;
   // --use-checkpoint-args takes both flags; without it their absence (or one of them) is another model.
   const std::string bare =
-      testing::Tool("ptk-train") + Common(6) + " --use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
+      testing::Tool("ptk-train") + SmallRun(6) + " --use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
   auto taken = RunCmd(bare);
   ASSERT_EQ(taken.exit_code, 0) << taken.output;
   EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), b);
   EXPECT_NE(taken.output.find("--qk-l2-norm on, --attention-output-gate on"), std::string::npos) << taken.output;
   const std::string shape = testing::Tool("ptk-train") +
-                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" + Common(6) +
+                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" + SmallRun(6) +
                             " --group-query-attention --num-query-groups 2 --normalization RMSNorm"
                             " --position-embedding-type rope --swiglu --disable-bias-linear --load " +
                             ShellQuote(dir_ / "ck");
@@ -113,32 +97,16 @@ TEST_F(GatedTrainCli, TensorRanksTrainAsOneRankDoes) {
 
 // megatron-core's parameter count of tests/data/trainer/gated_gqa_l2's model (its golden's tensors).
 TEST_F(GatedTrainCli, DryRunCountsParametersAsMegatron) {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/gated_gqa_l2.json");
-  int64_t megatron = 0;
-  for (auto name : meta["param_order"].get_array()) {
-    int64_t n = 1;
-    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
-      n *= int64_t(d);
-    megatron += n;
-  }
-  auto r = RunCmd(testing::Tool("ptk-train") +
-                  " --dry-run --num-layers 2 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
-                  " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
-                  " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
-                  " --train-iters 1 --lr 1e-3 --disable-bias-linear --swiglu --normalization RMSNorm"
-                  " --position-embedding-type rope --group-query-attention --num-query-groups 2"
-                  " --attention-output-gate --qk-l2-norm");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
-                                                                                                    << r.output;
+  const int64_t megatron = testing::MegatronParamCount("gated_gqa_l2");
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectDryRunCount(
+      testing::DryRunOf(2) + " --disable-bias-linear --swiglu --normalization RMSNorm"
+                             " --position-embedding-type rope --group-query-attention --num-query-groups 2"
+                             " --attention-output-gate --qk-l2-norm",
+      megatron));
 }
 
 TEST_F(GatedTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
-  const std::string base = testing::Tool("ptk-train") +
-                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
-                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
-                           testing::SmallVocabFlags();
+  const std::string base = testing::MockRunOf(2);
   const std::string mla =
       " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4"
       " --v-head-dim 4";
@@ -149,11 +117,7 @@ TEST_F(GatedTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {mla + " --qk-l2-norm", "usage error: --qk-l2-norm with --multi-latent-attention"},
       {" --attention-output-gate=maybe", "--attention-output-gate"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases);
   // The CUDA backend runs both (cuda_attention_variant_model_test): a bf16 dry run takes them, and --device cuda
   // is refused here only for the missing device, if at all, never for the variant.
   auto dry = RunCmd(base + " --attention-output-gate --qk-l2-norm --dry-run --bf16");

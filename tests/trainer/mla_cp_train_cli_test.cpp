@@ -23,15 +23,11 @@ class MlaContextParallelCli : public testing::RanksTest {
  protected:
   MlaContextParallelCli() : RanksTest(testing::kSmallVocabEod) {}
   std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+    return testing::Tool("ptk-train") + " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" +
+           SmallRun(iters) +
            " --multi-latent-attention --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 6"
-           " --qk-layernorm --normalization RMSNorm --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + " " + extra;
+           " --qk-layernorm --normalization RMSNorm " +
+           extra;
   }
 };
 

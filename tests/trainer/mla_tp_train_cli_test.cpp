@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/mla_cli_model.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -24,9 +25,7 @@ namespace {
 using testing::RunCmd;
 using testing::ShellQuote;
 
-constexpr char kLora[] =
-    " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
-    " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+constexpr const char* kLora = testing::kMlaLora;
 // kLora without --qk-layernorm: the down projections' gradients are summed over the tensor ranks all the same (they
 // were not without --sequence-parallel: T = 2 drifted from one rank's losses by 9e-6 relative in 6 iterations).
 constexpr char kLoraNoNorms[] =
@@ -41,29 +40,11 @@ class MlaTensorParallelCli : public testing::RanksTest {
   MlaTensorParallelCli() : RanksTest(testing::kSmallVocabEod) {}
   // 2 layers, 4 heads, global batch 4 of micro-batches of 1, dropout on (Megatron's defaults), `T` tensor ranks.
   std::string Train(int T, const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --tensor-model-parallel-size " +
-           std::to_string(T) + " --data-path " + ShellQuote(prefix_) + " --data-cache-path " +
-           ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
+    return testing::Tool("ptk-train") + " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" +
+           SmallRun(iters) + " --tensor-model-parallel-size " + std::to_string(T) + " " + extra;
   }
   // The model of kLora.
-  static GPTConfig LoraModel() {
-    GPTConfig c = testing::TinyModel(1000, 1024);
-    c.normalization = Normalization::kRMSNorm;
-    c.qk_layernorm = true;
-    c.multi_latent_attention = true;
-    c.q_lora_rank = 16;
-    c.kv_lora_rank = 12;
-    c.qk_head_dim = 8;
-    c.qk_pos_emb_head_dim = 4;
-    c.v_head_dim = 6;
-    c.mla_yarn = false;
-    return c;
-  }
+  static GPTConfig LoraModel() { return testing::MlaLoraModel(); }
   // The whole model's weights of the checkpoint saved in `dir` at iteration `it` (put together from its tensor ranks).
   static std::vector<float> Weights(const std::string& dir, int64_t it) {
     auto whole = ParamLayout::Create(LoraModel());
@@ -159,10 +140,7 @@ TEST_F(MlaTensorParallelCli, CheckpointsHoldEachRanksSlicesResumeAndReshard) {
 }
 
 TEST_F(MlaTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
-  const std::string base = testing::Tool("ptk-train") +
-                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
-                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
-                           testing::SmallVocabFlags() + kLora;
+  const std::string base = testing::MockRunOf(2) + kLora;
   const std::vector<std::pair<std::string, std::string>> cases = {
       // --context-parallel-size (mla_cp_train_cli_test) and --mtp-num-layers with tensor ranks
       // (mtp_parallel_cli_test's DeepSeekLikeMlaAndMoe...) run.
@@ -170,13 +148,7 @@ TEST_F(MlaTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
        "usage error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"},
       {" --tensor-model-parallel-size 2 --device cuda", "usage error: --multi-latent-attention on --device cuda"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-    const std::string line = r.output.substr(0, r.output.find('\n') + 1);  // then CLI11's "Run with --help" hint
-    EXPECT_EQ(r.output.substr(line.size()), "Run with --help for more information.\n") << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases, /*one_line=*/true);
   // A tensor-parallel MLA plan is accepted (a dry run's).
   auto ok = RunCmd("WORLD_SIZE=2 " + base + " --tensor-model-parallel-size 2 --sequence-parallel --dry-run");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;

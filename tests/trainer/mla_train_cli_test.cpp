@@ -8,9 +8,10 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/golden_util.h"
+#include "tests/trainer/mla_cli_model.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -20,37 +21,16 @@ namespace {
 using testing::RunCmd;
 using testing::ShellQuote;
 
-constexpr char kMla[] =
-    " --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4"
-    " --v-head-dim 6 --qk-layernorm --normalization RMSNorm --rope-type rope";
+constexpr const char* kMla = testing::kMlaLora;
 
 class MlaTrainCli : public testing::RanksTest {
  protected:
   MlaTrainCli() : RanksTest(testing::kSmallVocabEod) {}
   std::string Train(const std::string& extra, int64_t iters = 6, int layers = 2) {
     return testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
-           " --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + kMla + " " + extra;
+           " --hidden-size 32 --num-attention-heads 4 --seq-length 32" + SmallRun(iters) + kMla + " " + extra;
   }
-  static GPTConfig Model(int layers = 2) {
-    GPTConfig c = testing::TinyModel(1000, 1024);
-    c.num_layers = layers;
-    c.normalization = Normalization::kRMSNorm;
-    c.qk_layernorm = true;
-    c.multi_latent_attention = true;
-    c.q_lora_rank = 16;
-    c.kv_lora_rank = 12;
-    c.qk_head_dim = 8;
-    c.qk_pos_emb_head_dim = 4;
-    c.v_head_dim = 6;
-    c.mla_yarn = false;
-    return c;
-  }
+  static GPTConfig Model(int layers = 2) { return testing::MlaLoraModel(layers); }
 };
 
 TEST_F(MlaTrainCli, TrainsAndSavesMegatronsNames) {
@@ -92,23 +72,11 @@ TEST_F(MlaTrainCli, TrainsAndSavesMegatronsNames) {
 }
 
 TEST_F(MlaTrainCli, AStoppedRunResumesBitForBitAndOtherMlaFlagsAreAnotherModel) {
-  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
-  ASSERT_EQ(a.size(), 6u) << whole.output;
-  ASSERT_EQ(b.size(), 3u) << resumed.output;
-  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> b;
+  ASSERT_NO_FATAL_FAILURE(ExpectResumeBitForBit([&](const std::string& x) { return Train(x); }, &b));
   // --use-checkpoint-args takes the MLA flags the command line leaves out.
-  const std::string bare = testing::Tool("ptk-train") + " --micro-batch-size 1 " + testing::SmallVocabFlags() +
-                           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine"
-                           " --lr-warmup-iters 1 --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1"
-                           " --log-interval 1 --threads 1 --train-iters 6 --data-path " +
-                           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") +
-                           " --use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
+  const std::string bare =
+      testing::Tool("ptk-train") + SmallRun(6) + " --use-checkpoint-args --load " + ShellQuote(dir_ / "ck");
   auto taken = RunCmd(bare);
   ASSERT_EQ(taken.exit_code, 0) << taken.output;
   EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), b);
@@ -141,32 +109,17 @@ TEST_F(MlaTrainCli, DataAndPipelineRanksTrainAsOneRankDoes) {
 
 // megatron-core's parameter count of tests/data/trainer/mla_lora's model (its golden's tensors).
 TEST_F(MlaTrainCli, DryRunCountsParametersAsMegatron) {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/mla_lora.json");
-  int64_t megatron = 0;
-  for (auto name : meta["param_order"].get_array()) {
-    int64_t n = 1;
-    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
-      n *= int64_t(d);
-    megatron += n;
-  }
-  auto r = RunCmd(testing::Tool("ptk-train") +
-                  " --dry-run --num-layers 2 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
-                  " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
-                  " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
-                  " --train-iters 1 --lr 1e-3 --disable-bias-linear --swiglu --normalization RMSNorm"
-                  " --position-embedding-type rope --multi-latent-attention --q-lora-rank 8 --kv-lora-rank 6"
-                  " --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --rope-type rope");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
-                                                                                                    << r.output;
+  const int64_t megatron = testing::MegatronParamCount("mla_lora");
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectDryRunCount(
+      testing::DryRunOf(2) + " --disable-bias-linear --swiglu --normalization RMSNorm"
+                             " --position-embedding-type rope --multi-latent-attention --q-lora-rank 8"
+                             " --kv-lora-rank 6 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 6"
+                             " --qk-layernorm --rope-type rope",
+      megatron));
 }
 
 TEST_F(MlaTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
-  const std::string base = testing::Tool("ptk-train") +
-                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
-                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
-                           testing::SmallVocabFlags();
+  const std::string base = testing::MockRunOf(2);
   const std::string mla =
       " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4"
       " --v-head-dim 4";
@@ -187,11 +140,7 @@ TEST_F(MlaTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
        "usage error: --multi-latent-attention with --use-rope-scaling"},
       {mla + " --cache-mla-latents", "usage error: --multi-latent-attention with --cache-mla-latents: an inference"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases);
   // Accepted with their notes: yarn by default, the latents without norms (the local spec's), and MLA's flags
   // without --multi-latent-attention (as Megatron).
   auto r = RunCmd(base + mla + " --train-iters 1");

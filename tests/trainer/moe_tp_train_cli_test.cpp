@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/moe_ranks_cli_support.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -28,29 +29,18 @@ namespace {
 using testing::RunCmd;
 using testing::ShellQuote;
 
-class MoeTensorParallelCli : public testing::RanksTest {
+class MoeTensorParallelCli : public testing::MoeRanksCliTest {
  protected:
-  MoeTensorParallelCli() : RanksTest(testing::kSmallVocabEod) {}
   // 2 layers, global batch 4 of micro-batches of 1, dropout on (Megatron's defaults), `T` tensor ranks.
-  std::string Train(int T, const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+  std::string Train(int T, const std::string& extra, int64_t iters = 6) override {
+    return testing::Tool("ptk-train") + " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" +
+           SmallRun(iters) +
            " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear"
            " --tensor-model-parallel-size " +
-           std::to_string(T) + (T > 1 ? " --sequence-parallel" : "") + " --data-path " + ShellQuote(prefix_) +
-           " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
+           std::to_string(T) + (T > 1 ? " --sequence-parallel" : "") + " " + extra;
   }
-  // The load_balancing_loss of each log line (or another entry's: `name`).
-  static std::vector<double> Balancing(const std::string& out, const std::string& name = "load_balancing_loss") {
-    std::vector<double> v;
-    const std::regex re("\\| " + name + R"(: (\S+) \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.push_back(std::stod((*it)[1].str()));
-    return v;
-  }
+  // The load_balancing_loss of each log line.
+  static std::vector<double> Balancing(const std::string& out) { return Entry(out, "load_balancing_loss"); }
 };
 
 TEST_F(MoeTensorParallelCli, TwoTensorRanksGiveOneRanksLossesAndBalancingLoss) {
@@ -156,52 +146,7 @@ TEST_F(MoeTensorParallelCli, CheckpointsHoldEachRanksSlicesAndResume) {
 // (Megatron tracks it without a reduce group), so not one rank's. With --calculate-per-token-loss Megatron scales
 // the MoE losses' gradients by each rank's own tokens (b x t / T): T = 2 trains as T = 1 with half the coefficients.
 TEST_F(MoeTensorParallelCli, ZLossBalanceTypesExpertBiasAndCapacityTrainAsOneRankDoes) {
-  const std::vector<std::tuple<std::string, std::string, std::vector<std::string>>> models = {
-      {"z-loss", "--moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.01", {"load_balancing_loss"}},
-      {"seq_aux_loss and global_aux_loss",
-       "--swiglu --moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss "
-       "--moe-aux-loss-coeff 0.01 0.02 0.03",
-       {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss"}},
-      {"expert bias",
-       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
-       "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
-       {"seq_load_balancing_loss"}},
-      {"capacity over every rank's tokens",
-       "--moe-expert-capacity-factor 4 --moe-pad-expert-input-to-capacity --moe-aux-loss-coeff 0.01",
-       {"load_balancing_loss"}},
-  };
-  for (const auto& [what, flags, entries] : models) {
-    SCOPED_TRACE(what);
-    auto one = RunCmd(Train(1, flags));
-    ASSERT_EQ(one.exit_code, 0) << one.output;
-    const auto ref = Losses(one.output);
-    ASSERT_EQ(ref.size(), 6u) << one.output;
-    std::string out;
-    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, flags), ref, 6, 1e-5, what + " T=2", &out));
-    for (const std::string& entry : entries) {
-      const auto b1 = Balancing(one.output, entry), b2 = Balancing(out, entry);
-      ASSERT_EQ(b1.size(), 6u) << entry << "\n" << one.output;
-      ASSERT_EQ(b2.size(), 6u) << entry << "\n" << out;
-      for (size_t i = 0; i < b1.size(); ++i) EXPECT_NEAR(b2[i], b1[i], 1e-5 * b1[i]) << entry << " line " << i;
-    }
-    if (what != "z-loss") continue;
-    const auto z1 = Balancing(one.output, "z_loss"), z2 = Balancing(out, "z_loss");
-    ASSERT_EQ(z2.size(), 6u) << out;
-    for (size_t i = 0; i < z2.size(); ++i) {
-      EXPECT_GT(z2[i], 0.0);
-      EXPECT_GT(std::abs(z2[i] - z1[i]), 1e-5 * z1[i]) << "line " << i << ": the last tensor rank's tokens' own";
-    }
-  }
-  const std::string per_token = " --calculate-per-token-loss --moe-router-load-balancing-type aux_loss seq_aux_loss";
-  auto one = RunCmd(Train(1, "--moe-z-loss-coeff 0.01 --moe-aux-loss-coeff 0.01 0.01" + per_token));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  std::string out;
-  ASSERT_NO_FATAL_FAILURE(
-      RunGivingLosses(2, Train(2, "--moe-z-loss-coeff 0.02 --moe-aux-loss-coeff 0.02 0.02" + per_token),
-                      Losses(one.output), 6, 1e-5, "per-token T=2, coefficients x 2", &out));
-  auto same = RunCmd(Train(1, "--moe-z-loss-coeff 0.02 --moe-aux-loss-coeff 0.02 0.02" + per_token));
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_GT(Worst(Losses(same.output), Losses(one.output)), 1e-5);  // the coefficients do move the losses
+  ASSERT_NO_FATAL_FAILURE(ExpectRouterFeaturesTrainAsOneRank("T", "tensor"));
 }
 
 // A capacity that drops: each tensor rank's tokens dropped as its own router would (moe_ops_test's
@@ -264,13 +209,7 @@ TEST_F(MoeTensorParallelCli, WhatIsNotImplementedIsRefusedInOneLine) {
       {tp + " --sequence-parallel --device cuda",
        "usage error: --num-experts 4 with --tensor-model-parallel-size 2 on --device cuda"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-    const std::string line = r.output.substr(0, r.output.find('\n') + 1);  // then CLI11's "Run with --help" hint
-    EXPECT_EQ(r.output.substr(line.size()), "Run with --help for more information.\n") << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases, /*one_line=*/true);
   // The default and the tensor size are accepted (a dry run's plan).
   auto ok = RunCmd("WORLD_SIZE=2 " + base + tp + " --sequence-parallel --expert-tensor-parallel-size 2 --device cpu");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;

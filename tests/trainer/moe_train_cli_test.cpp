@@ -17,6 +17,7 @@
 #include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/golden_util.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -56,13 +57,7 @@ class MoeTrainCli : public testing::RanksTest {
   // of 1.
   std::string Train(const std::string& extra, int64_t iters = 6, int layers = 2) {
     return testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
-           " --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + kMoe + " " + extra;
+           " --hidden-size 32 --num-attention-heads 4 --seq-length 32" + SmallRun(iters) + kMoe + " " + extra;
   }
   // The load_balancing_loss of each log line.
   static std::vector<double> Balancing(const std::string& out) {
@@ -150,16 +145,9 @@ TEST_F(MoeTrainCli, TrainsLogsTheLoadBalancingLossAndSavesMegatronsNames) {
 }
 
 TEST_F(MoeTrainCli, AStoppedRunResumesBitForBitAndOtherMoeFlagsAreAnotherModel) {
-  auto whole = RunCmd(Train("--moe-layer-freq 2 --save " + ShellQuote(dir_ / "full")));
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  auto first = RunCmd(Train("--moe-layer-freq 2 --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train("--moe-layer-freq 2 --load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
-  ASSERT_EQ(a.size(), 6u) << whole.output;
-  ASSERT_EQ(b.size(), 3u) << resumed.output;
-  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> a, b;
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectResumeBitForBit([&](const std::string& x) { return Train("--moe-layer-freq 2 " + x); }, &b, &a));
   EXPECT_NE(a[0].find("load_balancing_loss"), std::string::npos) << a[0];
   // --use-checkpoint-args takes the MoE flags from the checkpoint over the command line's (Megatron's force=True).
   auto taken =
@@ -200,11 +188,9 @@ TEST_F(MoeTrainCli, TheRoutersOptionsTrainLogResumeAndAreTheCheckpointsModel) {
     const double z = std::strtod(m[1].str().c_str(), nullptr);
     EXPECT_TRUE(z > 1.0 && z < 3.0) << l;  // logsumexp^2 of 4 small logits: about log(4)^2 = 1.92
   }
-  auto first = RunCmd(Train(router + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train(router + " --load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> resumed;
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectStoppedRunResumes([&](const std::string& x) { return Train(router + " " + x); }, a, &resumed));
   // Without the routing's options (the z-loss is a training setting: it alone does not make another model).
   for (const char* other : {" --moe-z-loss-coeff 0.01", " --moe-z-loss-coeff 0.01 --moe-router-topk-scaling-factor 2.5",
                             " --moe-router-num-groups 2 --moe-router-group-topk 1"}) {
@@ -217,7 +203,7 @@ TEST_F(MoeTrainCli, TheRoutersOptionsTrainLogResumeAndAreTheCheckpointsModel) {
                    "--load " +
                    ShellQuote(dir_ / "ck")));
   ASSERT_EQ(taken.exit_code, 0) << taken.output;
-  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), testing::LogLinesWithoutTimes(resumed.output));
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), resumed);
   for (const char* note : {"--use-checkpoint-args: --moe-router-topk-scaling-factor 2.5 from the checkpoint",
                            "--moe-router-num-groups 2", "--moe-router-group-topk 1"})
     EXPECT_NE(taken.output.find(note), std::string::npos) << note << "\n" << taken.output;
@@ -244,11 +230,9 @@ TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) 
   auto plain = RunCmd(Train(""));  // the shared experts change the losses
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   EXPECT_NE(testing::LogLinesWithoutTimes(plain.output), a);
-  auto first = RunCmd(Train(shared + "--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train(shared + "--load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> resumed;
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectStoppedRunResumes([&](const std::string& x) { return Train(shared + x); }, a, &resumed));
   GPTConfig c = testing::TinyModel(1000, 1024);
   c.add_bias_linear = false;
   c.gelu_exact = true;
@@ -274,7 +258,7 @@ TEST_F(MoeTrainCli, SharedExpertsTrainResumeBitForBitAndAreTheCheckpointsModel) 
   }
   auto taken = RunCmd(Train("--use-checkpoint-args --load " + ShellQuote(dir_ / "ck")));
   ASSERT_EQ(taken.exit_code, 0) << taken.output;
-  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), testing::LogLinesWithoutTimes(resumed.output));
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), resumed);
   auto overlap = RunCmd(Train(shared + "--moe-token-dispatcher-type alltoall --moe-shared-expert-overlap"));
   ASSERT_EQ(overlap.exit_code, 0) << overlap.output;
   EXPECT_EQ(testing::LogLinesWithoutTimes(overlap.output), a);
@@ -487,25 +471,10 @@ TEST_F(MoeTrainCli, ContextRanksTrainAsOneRankDoes) {
 
 // megatron-core's parameter count of tests/data/trainer/moe_gelu's model (its golden's tensors).
 TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/moe_gelu.json");
-  int64_t megatron = 0;
-  for (auto name : meta["param_order"].get_array()) {
-    int64_t n = 1;
-    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
-      n *= int64_t(d);
-    megatron += n;
-  }
-  const std::string cmd = "WORLD_SIZE=2 " + testing::Tool("ptk-train") +
-                          " --dry-run --num-layers 3 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
-                          " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
-                          " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
-                          " --train-iters 1 --lr 1e-3 --disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 12"
-                          " --moe-layer-freq '[1,0,1]'";
-  auto r = RunCmd(cmd);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
-                                                                                                    << r.output;
+  const int64_t megatron = testing::MegatronParamCount("moe_gelu");
+  const std::string cmd = "WORLD_SIZE=2 " + testing::DryRunOf(3) +
+                          " --disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 12 --moe-layer-freq '[1,0,1]'";
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectDryRunCount(cmd, megatron));
   // Two stages (layers 0-1 and 2): each counts its own layers' experts. Stage 0: the embeddings (40 x 16 + 8 x 16),
   // MoE layer 0 (two LayerNorms 64, QKV 768, projection 256, router 4 x 16, experts 4 x 2 x 12 x 16) and dense
   // layer 1 (64 + 768 + 256 + fc1 and fc2 2 x 24 x 16): 768 + 2688 + 1856.
@@ -515,14 +484,7 @@ TEST_F(MoeTrainCli, DryRunCountsParametersAsMegatron) {
   EXPECT_NE(pp.output.find("model parallel rank (0, 1): " + std::to_string(megatron - 5312) + "\n"), std::string::npos)
       << pp.output;
   // moe_shared's model (moe_gelu's with shared experts of width 20 on its two MoE layers): megatron-core's count.
-  simdjson::dom::element shared = parser.load(testing::SourceDir() + "/tests/data/trainer/moe_shared.json");
-  int64_t with_shared = 0;
-  for (auto name : shared["param_order"].get_array()) {
-    int64_t n = 1;
-    for (auto d : shared["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
-      n *= int64_t(d);
-    with_shared += n;
-  }
+  const int64_t with_shared = testing::MegatronParamCount("moe_shared");
   EXPECT_EQ(with_shared, megatron + 2 * 2 * 20 * 16);
   auto sh = RunCmd(cmd + " --moe-shared-expert-intermediate-size 20");
   ASSERT_EQ(sh.exit_code, 0) << sh.output;
@@ -552,12 +514,8 @@ TEST_F(MoeTrainCli, TokenDroppingTrainsResumesAndPaddingChangesNothing) {
   EXPECT_EQ(testing::LogLinesWithoutTimes(padded.output), testing::LogLinesWithoutTimes(by_probs.output));
   EXPECT_NE(padded.output.find("note: --moe-pad-expert-input-to-capacity: accepted, layout only"), std::string::npos)
       << padded.output;
-  auto first = RunCmd(Train(position + " --exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train(position + " --load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const auto a = testing::LogLinesWithoutTimes(by_position.output);
-  EXPECT_EQ(testing::LogLinesWithoutTimes(resumed.output), std::vector<std::string>(a.begin() + 3, a.end()));
+  ASSERT_NO_FATAL_FAILURE(ExpectStoppedRunResumes([&](const std::string& x) { return Train(position + " " + x); }, a));
   auto noted = RunCmd(Train(" --moe-token-drop-policy position", 3));
   ASSERT_EQ(noted.exit_code, 0) << noted.output;
   EXPECT_NE(noted.output.find("note: --moe-token-drop-policy position: accepted, no effect without "
@@ -573,10 +531,7 @@ TEST_F(MoeTrainCli, TokenDroppingTrainsResumesAndPaddingChangesNothing) {
 }
 
 TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
-  const std::string base = testing::Tool("ptk-train") +
-                           " --num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
-                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
-                           testing::SmallVocabFlags();
+  const std::string base = testing::MockRunOf(3);
   const std::string moe = " --num-experts 4 --disable-bias-linear";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --num-experts 4", "usage error: --num-experts without --disable-bias-linear"},
@@ -650,11 +605,7 @@ TEST_F(MoeTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {moe + " --dry-run --tensor-model-parallel-size 2",
        "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases);
   // The CUDA backend's dropless, data-parallel MoE (aux_loss, z-loss, scaling, pre-softmax, sigmoid; shared experts,
   // group-limited routing, seq_aux_loss, the expert bias) is planned.
   for (const char* cuda :

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/golden_util.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -29,14 +29,8 @@ class SwaTrainCli : public testing::RanksTest {
  protected:
   SwaTrainCli() : RanksTest(testing::kSmallVocabEod) {}
   std::string Train(const std::string& extra, int64_t iters = 6, const std::string& variant = kVariant) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
-           " --init-method-std 0.2 --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) + variant + " " + extra;
+    return testing::Tool("ptk-train") + " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32" +
+           SmallRun(iters) + " --init-method-std 0.2" + variant + " " + extra;
   }
 };
 
@@ -90,16 +84,8 @@ TEST_F(SwaTrainCli, TrainsAndSavesTheOffsetsUnderMegatronsNames) {
 }
 
 TEST_F(SwaTrainCli, AStoppedRunResumesBitForBit) {
-  auto whole = RunCmd(Train("--save " + ShellQuote(dir_ / "full")));
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  auto first = RunCmd(Train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto resumed = RunCmd(Train("--load " + ShellQuote(dir_ / "ck")));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
-  ASSERT_EQ(a.size(), 6u) << whole.output;
-  ASSERT_EQ(b.size(), 3u) << resumed.output;
-  EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+  std::vector<std::string> b;
+  ASSERT_NO_FATAL_FAILURE(ExpectResumeBitForBit([&](const std::string& x) { return Train(x); }, &b));
   // Without the flags, or with another softmax, the checkpoint is another model.
   for (const std::string& variant : {std::string(""), std::string(" --window-size 4,0 --window-attn-skip-freq 2"),
                                      std::string(" --window-size 4,0 --softmax-type learnable")}) {
@@ -173,24 +159,9 @@ TEST_F(SwaTrainCli, PipelineStagesAndContextRanksTrainAsOneRankDoes) {
 
 // megatron-core's parameter count of tests/data/trainer/swa_learnable_full's model (its golden's tensors).
 TEST_F(SwaTrainCli, DryRunCountsTheOffsetsAsMegatron) {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta = parser.load(testing::SourceDir() + "/tests/data/trainer/swa_learnable_full.json");
-  int64_t megatron = 0;
-  for (auto name : meta["param_order"].get_array()) {
-    int64_t n = 1;
-    for (auto d : meta["tensors"]["init:" + std::string(name.get_string().value())]["shape"].get_array())
-      n *= int64_t(d);
-    megatron += n;
-  }
-  const std::string dry = testing::Tool("ptk-train") +
-                          " --dry-run --num-layers 3 --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
-                          " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
-                          " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
-                          " --train-iters 1 --lr 1e-3";
-  auto r = RunCmd(dry + " --softmax-type learnable");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("model: " + std::to_string(megatron) + " parameters"), std::string::npos) << megatron << "\n"
-                                                                                                    << r.output;
+  const int64_t megatron = testing::MegatronParamCount("swa_learnable_full");
+  const std::string dry = testing::DryRunOf(3);
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectDryRunCount(dry + " --softmax-type learnable", megatron));
   auto plain = RunCmd(dry + " --softmax-type off-by-one");  // no parameter
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   EXPECT_NE(plain.output.find("model: " + std::to_string(megatron - 3 * 4) + " parameters"), std::string::npos)
@@ -198,10 +169,7 @@ TEST_F(SwaTrainCli, DryRunCountsTheOffsetsAsMegatron) {
 }
 
 TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine) {
-  const std::string base = testing::Tool("ptk-train") +
-                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
-                           " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
-                           testing::SmallVocabFlags();
+  const std::string base = testing::MockRunOf(2);
   const std::string w = " --window-size 4,0", ws = "usage error: --window-size ";
   const std::string with = "usage error: --window-size 4,0 and --softmax-type learnable with ";
   const std::string sm = w + " --softmax-type learnable";
@@ -247,11 +215,7 @@ TEST_F(SwaTrainCli, WhatMegatronRejectsAndWhatIsNotImplementedIsRefusedInOneLine
       {" --softmax-type learnable --init-method-xavier-uniform",
        "usage error: --softmax-type learnable with --init-method-xavier-uniform"},
   };
-  for (const auto& [flags, want] : cases) {
-    auto r = RunCmd(base + flags);
-    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
-    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
-  }
+  testing::ExpectUsageErrors(base, cases);
   // Megatron's depths and MLA take the window and the offsets (mtp_moe_golden_test checks their numbers).
   for (const std::string with_model : {" --mtp-num-layers 1 --window-attn-skip-freq 2",
                                        " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4"

@@ -1,7 +1,7 @@
 // What ptk-train's end-to-end tests (train_cli_test, dp_train_cli_test, tp_train_cli_test,
-// pp_train_cli_test) share:
-// the dataset they train on, a reader for the checkpoints their tiny model saves, and a fixture that
-// starts ranks as processes over loopback gloo.
+// pp_train_cli_test, and the features' gated_attention_cli_test, mla_*, moe_* and swa_train_cli_test) share:
+// the dataset they train on, a reader for the checkpoints their tiny model saves, a fixture that
+// starts ranks as processes over loopback gloo, a stopped run resumed, and flags refused.
 #pragma once
 
 #include <algorithm>
@@ -114,6 +114,47 @@ inline double WorstRelativeDifference(const std::vector<std::pair<int, double>>&
   return worst;
 }
 
+// Each case's flags appended to `base`: ptk-train exits 2 with the case's message (a usage error) in its output;
+// with `one_line`, in its first line, CLI11's "Run with --help" hint the only other.
+inline void ExpectUsageErrors(const std::string& base, const std::vector<std::pair<std::string, std::string>>& cases,
+                              bool one_line = false) {
+  for (const auto& [flags, want] : cases) {
+    auto r = RunCmd(base + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << flags << "\n" << r.output;
+    if (!one_line) continue;
+    const std::string line = r.output.substr(0, r.output.find('\n') + 1);
+    EXPECT_EQ(r.output.substr(line.size()), "Run with --help for more information.\n") << flags << "\n" << r.output;
+  }
+}
+
+// The refusal tests' ptk-train: `layers` layers of the tests' model (TinyModel's shape) on mock data in
+// SmallVocabFlags' vocabulary, 2 iterations; the flags under test after.
+inline std::string MockRunOf(int layers) {
+  return Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
+         " --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+         " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
+         SmallVocabFlags();
+}
+
+// ptk-train --dry-run of the goldens' small models (their parameter counts: MegatronParamCount): `layers` layers of
+// hidden 16, 4 heads, MLP 24, 8 positions, a vocabulary of 40 padded to 48, untied; the model's own flags after.
+inline std::string DryRunOf(int layers) {
+  return Tool("ptk-train") + " --dry-run --num-layers " + std::to_string(layers) +
+         " --hidden-size 16 --num-attention-heads 4 --ffn-hidden-size 24"
+         " --seq-length 8 --max-position-embeddings 8 --vocab-size 40 --make-vocab-size-divisible-by 8"
+         " --untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 4"
+         " --train-iters 1 --lr 1e-3";
+}
+
+// `cmd` (a --dry-run) exits 0 and prints the model's `count` parameters. Call under ASSERT_NO_FATAL_FAILURE.
+inline void ExpectDryRunCount(const std::string& cmd, int64_t count) {
+  auto r = RunCmd(cmd);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model: " + std::to_string(count) + " parameters"), std::string::npos) << count << "\n"
+                                                                                                 << r.output;
+}
+
 // A test directory holding PREFIX data_text_document (WriteLearnableDataset's 300 documents), and
 // ranks of ptk-train started in it as processes over loopback gloo (torchrun's variables).
 class RanksTest : public ::testing::Test {
@@ -202,6 +243,48 @@ class RanksTest : public ::testing::Test {
     ASSERT_EQ(resumed.size(), 10u) << same.output;
     ASSERT_EQ(uninterrupted.size(), 20u);
     EXPECT_EQ(resumed, std::vector<std::string>(uninterrupted.begin() + 10, uninterrupted.end()));
+  }
+  // The features' runs after their model's flags: micro-batches of 1 in SmallVocabFlags' vocabulary, global batch
+  // 4, lr 5e-3 to 5e-4 (cosine, 1 warmup iteration), weight decay 0.1, an evaluation every 3 iterations, a log line
+  // each, one thread, `iters` iterations of prefix_'s documents.
+  std::string SmallRun(int64_t iters) const {
+    return " --micro-batch-size 1 " + SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
+           " --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters);
+  }
+  // One process of `train(extra)` (6 iterations) stopped after 3 (saved in DIR/ck) and resumed from DIR/ck: its
+  // log lines (*resumed, when given) are `whole`'s last 3 (the run not stopped), character for character. Call under
+  // ASSERT_NO_FATAL_FAILURE.
+  void ExpectStoppedRunResumes(const std::function<std::string(const std::string&)>& train,
+                               const std::vector<std::string>& whole, std::vector<std::string>* resumed = nullptr) {
+    auto first = RunCmd(train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    auto again = RunCmd(train("--load " + ShellQuote(dir_ / "ck")));
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    const auto lines = LogLinesWithoutTimes(again.output);
+    EXPECT_EQ(lines, std::vector<std::string>(whole.begin() + 3, whole.end()));
+    if (resumed) *resumed = lines;
+  }
+  // One process of `train(extra)`: 6 iterations saved in DIR/full, and the same run stopped after 3 (saved in
+  // DIR/ck) and resumed from DIR/ck giving the last 3 log lines, character for character; *resumed gets them. Call
+  // under ASSERT_NO_FATAL_FAILURE.
+  void ExpectResumeBitForBit(const std::function<std::string(const std::string&)>& train,
+                             std::vector<std::string>* resumed, std::vector<std::string>* whole_lines = nullptr) {
+    auto whole = RunCmd(train("--save " + ShellQuote(dir_ / "full")));
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    auto first = RunCmd(train("--exit-interval 3 --save " + ShellQuote(dir_ / "ck")));
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    auto again = RunCmd(train("--load " + ShellQuote(dir_ / "ck")));
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    const auto a = LogLinesWithoutTimes(whole.output), b = LogLinesWithoutTimes(again.output);
+    ASSERT_EQ(a.size(), 6u) << whole.output;
+    ASSERT_EQ(b.size(), 3u) << again.output;
+    EXPECT_EQ(b, std::vector<std::string>(a.begin() + 3, a.end()));
+    *resumed = b;
+    if (whole_lines) *whole_lines = a;
   }
   // The logs of ranks 1 to world - 1 of the last Ranks, each under a header (for failure messages).
   std::string Logs(int world) const {
