@@ -1,5 +1,5 @@
-// A model saved by transformers against ptk's Forward (the MoE lines' hf_*_convert_test.cpp): each sequence of the
-// model's golden.json (its tokens, transformers' logits and loss) run through ptk.
+// A model saved by transformers against ptk's Forward (the MoE lines' hf_*_convert_test.cpp): the model imported,
+// and each sequence of its golden.json (its tokens, transformers' logits and loss) run through ptk.
 #pragma once
 
 #include <algorithm>
@@ -11,9 +11,30 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "interop/hf_gpt2.h"
+#include "tests/interop/convert_opts.h"
+#include "tests/test_util.h"
 #include "trainer/backend.h"
 
 namespace ptk::testing {
+
+// tests/data/interop/NAME (a model transformers saved, and its golden.json) imported into dir/ck, padded with
+// --make-vocab-size-divisible-by 32 to its 96 rows, none added (ptk's loss is then the softmax over transformers' 96
+// logits; the default 128 would add 32 copies of the last row to the softmax): the import's ptk-train flags hold
+// `flags`; *ck is the checkpoint, *golden golden.json parsed by *parser. Call under ASSERT_NO_FATAL_FAILURE.
+inline void ImportHfGolden(const std::string& name, const TempDir& dir, const std::string& flags, PtkCheckpoint* ck,
+                           simdjson::dom::parser* parser, simdjson::dom::element* golden) {
+  const std::string src = SourceDir() + "/tests/data/interop/" + name;
+  ConvertOptions o = ConvertOpts("hf", "ptk", src, dir / "ck");
+  o.make_vocab_size_divisible_by = 32;
+  auto imp = ImportFromHf(o);
+  ASSERT_TRUE(imp.ok()) << imp.status();
+  EXPECT_NE(imp->train_flags.find(flags), std::string::npos) << imp->train_flags;
+  auto loaded = LoadPtkCheckpoint(dir / "ck");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  *ck = *std::move(loaded);
+  ASSERT_EQ(parser->load(src + "/golden.json").get(*golden), simdjson::SUCCESS);
+}
 
 // ptk's Forward of `config` with `params` on each sequence of `golden` (HF's loss: each token's logits against the
 // next token): the largest difference of its logits (`vocab` to a row) from transformers'. With `expect_equal`, each

@@ -291,30 +291,22 @@ TEST_F(HfMixtralRoundTrip, ImportRefusesAMissingExpertAWrongShapeAndAMissingShar
 // comparisons (hf_test_common.py's TOL): both compute in fp32, in other orders of summation (the largest
 // difference seen is ~1e-6). Routing each token to one expert moves the logits by far more.
 TEST(HfMixtralGolden, AMixtralSavedByTransformersImportsWithItsLogitsAndLoss) {
-  const std::string src = ptk::testing::SourceDir() + "/tests/data/interop/mixtral_tiny";
   ptk::testing::TempDir tmp;
-  // Padded with --make-vocab-size-divisible-by 32 to 96 rows, none added: ptk's loss is then the softmax over
-  // transformers' 96 logits (the default 128 would add 32 copies of the last row to the softmax).
-  ConvertOptions o = ptk::testing::ConvertOpts("hf", "ptk", src, tmp / "ck");
-  o.make_vocab_size_divisible_by = 32;
-  auto imp = ImportFromHf(o);
-  ASSERT_TRUE(imp.ok()) << imp.status();
-  EXPECT_NE(imp->train_flags.find("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-aux-loss-coeff "
-                                  "0.02"),
-            std::string::npos)
-      << imp->train_flags;
-  auto ck = LoadPtkCheckpoint(tmp / "ck");
-  ASSERT_TRUE(ck.ok()) << ck.status();
-  GPTConfig c = ck->config;
+  PtkCheckpoint ck;
+  simdjson::dom::parser parser;
+  simdjson::dom::element golden;
+  ASSERT_NO_FATAL_FAILURE(
+      ptk::testing::ImportHfGolden("mixtral_tiny", tmp,
+                                   "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-aux-loss-coeff "
+                                   "0.02",
+                                   &ck, &parser, &golden));
+  GPTConfig c = ck.config;
   EXPECT_EQ(c.num_query_groups, 2);
   EXPECT_EQ(c.rotary_base, 10000);
   EXPECT_EQ(c.padded_vocab_size, 96);
-  simdjson::dom::parser parser;
-  simdjson::dom::element golden;
-  ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
   // ptk's logits and loss for `config`; the largest logit difference.
   auto compare = [&](const GPTConfig& config, bool expect_equal) {
-    return ptk::testing::WorstHfLogitDifference(golden, config, ck->params, 96, expect_equal);
+    return ptk::testing::WorstHfLogitDifference(golden, config, ck.params, 96, expect_equal);
   };
   const double worst = compare(c, true);
   EXPECT_LE(worst, 1e-4);

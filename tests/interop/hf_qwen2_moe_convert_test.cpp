@@ -222,27 +222,21 @@ TEST_F(HfQwen2MoeRoundTrip, ImportRefusesWhatPtkCannotComputeAndAMismatchedDirec
 // logits and 1e-5 on the loss, as the other HF comparisons: both compute in fp32, in other orders of summation.
 // Without the shared expert's gate (scale 1 instead of the sigmoid) the logits move by far more.
 TEST(HfQwen2MoeGolden, AQwen2MoeSavedByTransformersImportsWithItsLogitsAndLoss) {
-  const std::string src = ptk::testing::SourceDir() + "/tests/data/interop/qwen2_moe_tiny";
   ptk::testing::TempDir tmp;
-  ConvertOptions o = ptk::testing::ConvertOpts("hf", "ptk", src, tmp / "ck");
-  o.make_vocab_size_divisible_by = 32;  // 96 rows, none added: the loss's softmax is transformers'
-  auto imp = ImportFromHf(o);
-  ASSERT_TRUE(imp.ok()) << imp.status();
-  EXPECT_NE(imp->train_flags.find("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-aux-loss-coeff "
-                                  "0.02 --moe-layer-freq \"[0,1,1]\" --moe-shared-expert-intermediate-size 10 "
-                                  "--moe-shared-expert-gate"),
-            std::string::npos)
-      << imp->train_flags;
-  auto ck = LoadPtkCheckpoint(tmp / "ck");
-  ASSERT_TRUE(ck.ok()) << ck.status();
-  const GPTConfig c = ck->config;
+  PtkCheckpoint ck;
+  simdjson::dom::parser parser;
+  simdjson::dom::element golden;
+  ASSERT_NO_FATAL_FAILURE(
+      ptk::testing::ImportHfGolden("qwen2_moe_tiny", tmp,
+                                   "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-aux-loss-coeff "
+                                   "0.02 --moe-layer-freq \"[0,1,1]\" --moe-shared-expert-intermediate-size 10 "
+                                   "--moe-shared-expert-gate",
+                                   &ck, &parser, &golden));
+  const GPTConfig c = ck.config;
   EXPECT_TRUE(c.add_qkv_bias);
   EXPECT_FALSE(c.moe_router_pre_softmax);
   EXPECT_EQ(c.moe_layer_pattern, (std::vector<int>{0, 1, 1}));
-  simdjson::dom::parser parser;
-  simdjson::dom::element golden;
-  ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
-  const double worst = ptk::testing::WorstHfLogitDifference(golden, c, ck->params, 96, true);
+  const double worst = ptk::testing::WorstHfLogitDifference(golden, c, ck.params, 96, true);
   EXPECT_LE(worst, 1e-4);
   std::printf("ptk's logits differ from transformers' by at most %.3g (tolerance 1e-4)\n", worst);
   // The test can tell: the shared expert ungated (its output added whole) moves the logits past the tolerance.
@@ -253,7 +247,7 @@ TEST(HfQwen2MoeGolden, AQwen2MoeSavedByTransformersImportsWithItsLogitsAndLoss) 
   std::vector<float> params;  // the same weights, each layer's gate_weight left out
   for (const ParamInfo& t : full->infos)
     if (t.name.find("shared_experts.gate_weight") == std::string::npos)
-      params.insert(params.end(), ck->params.begin() + t.offset, ck->params.begin() + t.offset + t.size);
+      params.insert(params.end(), ck.params.begin() + t.offset, ck.params.begin() + t.offset + t.size);
   ASSERT_EQ(static_cast<int64_t>(params.size()), less->num_params);
   EXPECT_GT(ptk::testing::WorstHfLogitDifference(golden, ungated, params, 96, false), 1e-2);
 }

@@ -282,21 +282,16 @@ TEST_F(HfQwen3MoeRoundTrip, ImportRefusesAMismatchedOrDamagedDirectoryNamingTheT
 // on the loss, as the other HF comparisons (hf_test_common.py's TOL): both compute in fp32, in other orders of
 // summation. Renormalising the top 2's probabilities (norm_topk_prob true) moves the logits by far more.
 TEST(HfQwen3MoeGolden, AQwen3MoeSavedByTransformersImportsWithItsLogitsAndLoss) {
-  const std::string src = ptk::testing::SourceDir() + "/tests/data/interop/qwen3_moe_tiny";
   ptk::testing::TempDir tmp;
-  // Padded with --make-vocab-size-divisible-by 32 to 96 rows, none added: ptk's loss is then the softmax over
-  // transformers' 96 logits.
-  ConvertOptions o = ptk::testing::ConvertOpts("hf", "ptk", src, tmp / "ck");
-  o.make_vocab_size_divisible_by = 32;
-  auto imp = ImportFromHf(o);
-  ASSERT_TRUE(imp.ok()) << imp.status();
-  EXPECT_NE(imp->train_flags.find("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-aux-loss-coeff "
-                                  "0.02 --moe-router-pre-softmax --moe-layer-freq \"[0,1,1]\""),
-            std::string::npos)
-      << imp->train_flags;
-  auto ck = LoadPtkCheckpoint(tmp / "ck");
-  ASSERT_TRUE(ck.ok()) << ck.status();
-  const GPTConfig c = ck->config;
+  PtkCheckpoint ck;
+  simdjson::dom::parser parser;
+  simdjson::dom::element golden;
+  ASSERT_NO_FATAL_FAILURE(
+      ptk::testing::ImportHfGolden("qwen3_moe_tiny", tmp,
+                                   "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-aux-loss-coeff "
+                                   "0.02 --moe-router-pre-softmax --moe-layer-freq \"[0,1,1]\"",
+                                   &ck, &parser, &golden));
+  const GPTConfig c = ck.config;
   EXPECT_EQ(c.num_query_groups, 2);
   EXPECT_EQ(c.head_dim(), 8);
   EXPECT_EQ(c.ffn_hidden_size, 20);
@@ -304,12 +299,9 @@ TEST(HfQwen3MoeGolden, AQwen3MoeSavedByTransformersImportsWithItsLogitsAndLoss) 
   EXPECT_TRUE(c.moe_router_pre_softmax);
   EXPECT_EQ(c.moe_layer_pattern, (std::vector<int>{0, 1, 1}));
   EXPECT_EQ(c.padded_vocab_size, 96);
-  simdjson::dom::parser parser;
-  simdjson::dom::element golden;
-  ASSERT_EQ(parser.load(src + "/golden.json").get(golden), simdjson::SUCCESS);
   // ptk's logits and loss for `config`; the largest logit difference.
   auto compare = [&](const GPTConfig& config, bool expect_equal) {
-    return ptk::testing::WorstHfLogitDifference(golden, config, ck->params, 96, expect_equal);
+    return ptk::testing::WorstHfLogitDifference(golden, config, ck.params, 96, expect_equal);
   };
   const double worst = compare(c, true);
   EXPECT_LE(worst, 1e-4);
