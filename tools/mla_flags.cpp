@@ -4,6 +4,7 @@
 // and what ptk's MLA layers do not run with refused in one line each.
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -122,10 +123,17 @@ absl::Status RefuseMlaParallelismAndDevice(const TrainFlags& f, Device device) {
   if (!f.mla.on) return absl::OkStatus();
   // --context-parallel-size and --mtp-num-layers with tensor ranks run (mla_cp_train_cli_test; mtp_parallel_cli_test,
   // mtp_moe_golden_test at two sequence-parallel ranks).
-  if (device != Device::kCpu)
-    return UsageError(
-        "--multi-latent-attention on --device cuda: the CUDA backend has no multi-latent attention yet; train on the "
-        "CPU (--device cpu, fp32)");
+  // The CUDA backend's multi-latent attention (trainer/cuda/cuda_mla_layer.cpp) is data-parallel only.
+  if (device == Device::kCpu) return absl::OkStatus();
+  const std::pair<const char*, int64_t> sizes[] = {{"--tensor-model-parallel-size", f.tensor_model_parallel_size},
+                                                   {"--pipeline-model-parallel-size", f.pipeline_model_parallel_size},
+                                                   {"--context-parallel-size", f.context_parallel_size}};
+  for (const auto& [flag, size] : sizes)
+    if (size > 1)
+      return UsageError(fmt::format(
+          "--multi-latent-attention on --device cuda with {} {}: the CUDA backend's multi-latent attention is "
+          "data-parallel only; train on the CPU (--device cpu, fp32)",
+          flag, size));
   return absl::OkStatus();
 }
 

@@ -133,9 +133,15 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
           "num_experts {}: the CUDA backend's mixture-of-experts layers have no {}; it runs on the CPU backend",
           config.num_experts, missing));
   }
-  // Multi-latent attention is the CPU passes' too (cpu_mla_layer.cpp).
-  if (config.mla() && backend.device != Device::kCpu)
-    return absl::UnimplementedError("multi_latent_attention: multi-latent attention runs on the CPU backend");
+  // Multi-latent attention: the CUDA model's layers (cuda_mla_layer.cpp) on one tensor, context and pipeline rank;
+  // the CPU passes (cpu_mla_layer.cpp) with model parallelism.
+  if (config.mla() && backend.device != Device::kCpu) {
+    const auto several = [](const Communicator* c) { return c != nullptr && c->size() > 1; };
+    if (several(backend.tensor_comm) || several(backend.context_comm) || backend.pipeline_stage.size > 1)
+      return absl::UnimplementedError(
+          "multi_latent_attention: the CUDA backend's multi-latent attention runs on one tensor, context and pipeline "
+          "rank (data parallelism only); with model parallelism it runs on the CPU backend");
+  }
   // Multi-token prediction is the CPU model's ForwardBackward's (mtp_cpu.cpp), on one context rank.
   if (config.mtp_num_layers > 0 && backend.device != Device::kCpu)
     return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on the CPU backend");

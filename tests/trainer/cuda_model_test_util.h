@@ -68,11 +68,14 @@ inline void PerturbQKNorms(GPTModel* model) {
   ASSERT_TRUE(model->ReadParams(p).ok());
   const bool one_p = model->config().apply_layernorm_1p;
   for (const ParamInfo& info : model->params_info()) {
+    // (Multi-latent attention's latent norms: q_layernorm and kv_layernorm.)
     if (info.name.find("q_layernorm") == std::string::npos && info.name.find("k_layernorm") == std::string::npos &&
+        info.name.find("kv_layernorm") == std::string::npos &&
         !(one_p && info.name.find("layernorm") != std::string::npos))
       continue;
     const bool bias = info.name.find(".bias") != std::string::npos,
-               key = info.name.find("k_layernorm") != std::string::npos;
+               key = info.name.find("k_layernorm") != std::string::npos ||
+                     info.name.find("kv_layernorm") != std::string::npos;
     for (int64_t i = 0; i < info.size; ++i)
       p[static_cast<size_t>(info.offset + i)] = static_cast<float>(
           (bias || one_p ? 0.0 : 1.0) +

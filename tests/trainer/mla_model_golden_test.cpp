@@ -149,9 +149,17 @@ TEST(MlaModel, OtherBackendsAndLayoutsAreRefused) {
   c.qk_head_dim = c.qk_pos_emb_head_dim = c.v_head_dim = 2;
   c.mla_yarn = false;
   EXPECT_TRUE(CreateModel(c, BackendOptions{}).ok());
-  BackendOptions cuda;
+  BackendOptions cuda;  // the CUDA backend's MLA runs on one tensor, context and pipeline rank (cuda_mla_layer.cpp)
   cuda.device = Device::kCuda;
-  EXPECT_EQ(CreateModel(c, cuda).status().code(), absl::StatusCode::kUnimplemented);
+  cuda.pipeline_stage = PipelineStage{2, 1, 1, 1};
+  const absl::Status staged_cuda = CreateModel(c, cuda).status();
+  EXPECT_EQ(staged_cuda.code(), absl::StatusCode::kUnimplemented) << staged_cuda;
+  EXPECT_NE(staged_cuda.message().find("multi_latent_attention: the CUDA backend's multi-latent attention runs on one"),
+            std::string::npos)
+      << staged_cuda;
+  cuda.pipeline_stage = PipelineStage{};  // one rank: past the check (then a GPU, or its absence, decides)
+  const absl::Status one_cuda = CreateModel(c, cuda).status();
+  EXPECT_EQ(one_cuda.message().find("multi_latent_attention"), std::string::npos) << one_cuda;
   auto split = ParamLayout::Create(c, /*tensor_size=*/2, 1);  // one head per rank: its up projections' rows
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ(split->Find("decoder.layers.0.self_attention.linear_kv_up_proj.weight")->shape,

@@ -124,8 +124,11 @@ TEST_F(MlaTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       " --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4"
       " --v-head-dim 4";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {mla + " --device cuda", "usage error: --multi-latent-attention on --device cuda: the CUDA backend has no"},
-      {mla + " --dry-run --bf16", "usage error: --multi-latent-attention on --device cuda"},
+      {mla + " --device cuda --pipeline-model-parallel-size 2",
+       "usage error: --multi-latent-attention on --device cuda with --pipeline-model-parallel-size 2: the CUDA "
+       "backend's multi-latent attention is data-parallel only"},
+      {mla + " --dry-run --bf16 --context-parallel-size 2",
+       "usage error: --multi-latent-attention on --device cuda with --context-parallel-size 2"},
       {mla + " --rope-type ntk", "usage error: --rope-type ntk: rope or yarn"},
       {" --rope-type yarn", "usage error: --rope-type yarn without --multi-latent-attention: Megatron's common"},
       {mla + " --qk-pos-emb-head-dim 3", "usage error: --qk-pos-emb-head-dim 3: the rotary channels come in pairs"},

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "trainer/mla_rope.h"
 #include "trainer/op_types.h"
 
 namespace ptk::cpu {
@@ -57,18 +58,10 @@ struct MlaActivations {
 // The floats MlaActivations holds after a pass.
 int64_t MlaActivationFloats(const MlaSettings& s);
 
-// Rotary tables (t, pe / 2) of MLA's RotaryEmbedding (rope) or YarnRotaryEmbedding (yarn, its
-// concentration factor folded into cos and sin as megatron-core's apply does with mscale).
-struct MlaRope {
-  double base = 10000;
-  bool yarn = false;
-  double factor = 1, mscale = 1, mscale_all_dim = 0;
-  int64_t original_max_position_embeddings = 4096;
-  double beta_fast = 32, beta_slow = 1;
-};
-void MlaRopeTables(float* cos, float* sin, int64_t t, int64_t pe, const MlaRope& r);
-// megatron-core's _yarn_get_mscale: 1 at scale <= 1, else 0.1 * mscale * ln(scale) + 1.
-double YarnGetMscale(double scale, double mscale);
+// MLA's rotary tables (trainer/mla_rope.h, shared with the CUDA model).
+using ::ptk::MlaRope;
+using ::ptk::MlaRopeTables;
+using ::ptk::YarnGetMscale;
 
 // qkv (n, shape().qkv_width()) from x (n, hidden); `a` sized and filled.
 template <typename T>

@@ -40,6 +40,7 @@ using attention_detail::Heads;
 using attention_detail::MakeDropout;
 using attention_detail::RowThreadsFor;
 using attention_detail::RunBatched;
+using attention_detail::ScoreScale;
 using attention_detail::ShapeString;
 using attention_detail::UseStream;
 
@@ -216,16 +217,17 @@ absl::Status AttentionForward(float* out, float* probs, const float* qkv, const 
   if (absl::Status st = MakeDropout(p, seed, streams, where, &d); !st.ok()) return st;
   if (absl::Status st = UseStream(ctx, where); !st.ok()) return st;
   const Heads H(s);
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, W = H.width, G = H.group_stride, tt = t * t;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // vd: the value heads' width (hd but under multi-latent attention); the output is (b, t, nh * vd).
+  const int64_t t = s.t, hd = s.hd, vd = H.vd, c = s.nh * vd, W = H.width, G = H.group_stride, tt = t * t;
+  const float scale = ScoreScale(s);
   if (absl::Status st = Scores(probs, qkv, s, scale, ctx, where); !st.ok()) return st;
   if (absl::Status st = Softmax(probs, s, d, ctx, where); !st.ok()) return st;  // P, or P' with dropout
   for (int64_t b = 0; b < s.b; ++b) {
-    // out^T(d, i) = sum_j V[j, d] P'[i, j]: A = V stored (hd, t) op N, B = P' stored (t, t) op N.
+    // out^T(d, i) = sum_j V[j, d] P'[i, j]: A = V stored (vd, t) op N, B = P' stored (t, t) op N.
     const float* v = qkv + b * t * W + H.Value(hd);
     for (int64_t i = 0; i < H.per_group; ++i) {
-      if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, v, W, G, probs + (b * s.nh + i) * tt, t,
-                                        H.per_group * tt, out + b * t * c + i * hd, c, H.per_group * hd},
+      if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, vd, t, t, v, W, G, probs + (b * s.nh + i) * tt, t,
+                                        H.per_group * tt, out + b * t * c + i * vd, c, H.per_group * vd},
                                        1.0f, H.groups, ctx, where);
           !st.ok())
         return st;
@@ -252,9 +254,9 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
   if (absl::Status st = MakeDropout(p, seed, streams, where, &d); !st.ok()) return st;
   if (absl::Status st = UseStream(ctx, where); !st.ok()) return st;
   const Heads H(s);
-  const int64_t t = s.t, hd = s.hd, nh = s.nh, c = nh * hd, W = H.width, G = H.group_stride, tt = t * t,
+  const int64_t t = s.t, hd = s.hd, vd = H.vd, nh = s.nh, c = nh * vd, W = H.width, G = H.group_stride, tt = t * t,
                 pg = H.per_group;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const float scale = ScoreScale(s);
   const int threads = RowThreadsFor(t);
   const int64_t rows = nh * t;  // rows of one batch element; scratch holds them
   if (rows > INT_MAX) return absl::InvalidArgumentError(fmt::format("{}: nh * t beyond one launch", where));
@@ -282,17 +284,17 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
     // A group's key and value gradients: its first query head's term assigned, the others' added in
     // head order (beta 1), as the CPU op.
     for (int64_t i = 0; i < pg; ++i) {
-      // dV^T(d, j) = sum_i dY[i, d] P'[i, j]: A = dY stored (hd, t) op N, B = P' stored (t, t) op T.
+      // dV^T(d, j) = sum_i dY[i, d] P'[i, j]: A = dY stored (vd, t) op N, B = P' stored (t, t) op T.
       if (absl::Status st = RunBatched(
-              {CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, dy + i * hd, c, pg * hd, pd + i * tt, t, pg * tt, dv, W, G}, 1.0f,
+              {CUBLAS_OP_N, CUBLAS_OP_T, vd, t, t, dy + i * vd, c, pg * vd, pd + i * tt, t, pg * tt, dv, W, G}, 1.0f,
               H.groups, ctx, where, i == 0 ? 0.0f : 1.0f);
           !st.ok())
         return st;
     }
     for (int64_t i = 0; i < pg; ++i) {
-      // dP'^T(j, i) = sum_d V[j, d] dY[i, d]: A = V stored (hd, t) op T, B = dY stored (hd, t) op N.
+      // dP'^T(j, i) = sum_d V[j, d] dY[i, d]: A = V stored (vd, t) op T, B = dY stored (vd, t) op N.
       if (absl::Status st = RunBatched(
-              {CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, v, W, G, dy + i * hd, c, pg * hd, scratch + i * tt, t, pg * tt},
+              {CUBLAS_OP_T, CUBLAS_OP_N, t, t, vd, v, W, G, dy + i * vd, c, pg * vd, scratch + i * tt, t, pg * tt},
               1.0f, H.groups, ctx, where);
           !st.ok())
         return st;

@@ -165,6 +165,11 @@ absl::Status CheckRows(const AttentionShape& s, int64_t tq, const std::string& w
   if (tq <= 0 || tq > s.t)
     return absl::InvalidArgumentError(fmt::format("{}: {} query rows of samples of {} positions", where, tq, s.t));
   if (s.nh * tq > INT_MAX) return absl::InvalidArgumentError(fmt::format("{}: nh * tq beyond one launch", where));
+  if (s.v_dim() != s.hd || s.scale > 0)  // multi-latent attention's heads: attention_cuda.cu's kernels have them
+    return absl::UnimplementedError(
+        fmt::format("{}: value heads of {} channels (queries and keys {}) or a scale of its own: the rows attention "
+                    "takes one head width",
+                    where, s.v_dim(), s.hd));
   return absl::OkStatus();
 }
 

@@ -92,6 +92,11 @@ inline absl::Status RunBatched(const Batched& g, float alpha, int64_t count, con
   return absl::OkStatus();
 }
 
+// The scores' scale: 1 / sqrt(hd), or the shape's own (multi-latent attention's), rounded to fp32 as the CPU op's.
+inline float ScoreScale(const AttentionShape& s) {
+  return static_cast<float>(s.scale > 0 ? s.scale : 1.0 / std::sqrt(static_cast<double>(s.hd)));
+}
+
 inline absl::Status UseStream(const CudaContext& ctx, const std::string& where) {
   if (!ctx.cublas) return absl::FailedPreconditionError(fmt::format("{}: the context has no cuBLAS handle", where));
   cudaStream_t current = nullptr;
@@ -120,14 +125,16 @@ inline absl::Status MakeDropout(double p, uint64_t seed, const uint64_t* streams
 // (g * (per_group + 2) + per_group) * hd, the value one head further. The products go over the
 // groups in one batched call per head index i within a group (the stride from group to group is
 // group_stride for q, k, v and per_group heads for the probabilities, the output and the scratch):
-// without GQA that is one call over every head, as before.
+// without GQA that is one call over every head, as before. Multi-latent attention's value heads are
+// s.v_dim() wide (a group: per_group query heads and a key of hd, a value of vd).
 struct Heads {
-  int64_t per_group, groups, width, group_stride;
+  int64_t per_group, groups, width, group_stride, vd;
   explicit Heads(const AttentionShape& s)
       : per_group(s.nh / s.groups()),
         groups(s.groups()),
         width(s.qkv_width()),
-        group_stride((s.nh / s.groups() + 2) * s.hd) {}
+        group_stride((s.nh / s.groups() + 1) * s.hd + s.v_dim()),
+        vd(s.v_dim()) {}
   int64_t Query(int64_t i, int64_t hd) const { return i * hd; }
   int64_t Key(int64_t hd) const { return per_group * hd; }
   int64_t Value(int64_t hd) const { return (per_group + 1) * hd; }

@@ -142,6 +142,9 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   if (cp() && (config().window_left >= 0 || config().softmax_sink()))
     return absl::UnimplementedError(
         "window_left / softmax_type with context parallelism on CUDA: its attention has neither");
+  if (config().mla() && (tensor_size() > 1 || cp() || layout().pipeline_size > 1))
+    return absl::UnimplementedError(
+        "multi_latent_attention on CUDA: one tensor, context and pipeline rank only (cuda_mla_layer.cpp)");
   if (logits_budget_bytes_ < 0)
     return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
   // The caller's device index is the local rank (tools/train_main.cpp): refused where it has no GPU.
@@ -215,9 +218,8 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
     for (const GradRange& g : NonTensorParallelGradRanges(layout(), sequence_parallel_))
       o.non_tensor_parallel_grads += g.size();
   // This rank's query heads and groups.
-  const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
-                             config().query_groups() / tensor_size()};
-  if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
+  const AttentionShape shape = ShapeFor(b, t);  // (multi-latent attention's head widths and scale)
+  if (config().qk_layernorm && !config().mla()) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
   // Context parallelism runs the fp32 rows attention but in ContextFlash (cuda_context_parallel.cpp).
   o.attention_scratch_floats =
       ContextFlash() ? 0
@@ -228,8 +230,10 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   o.padded_params = padded_params_;
   o.moment_params = moment_params_;
   // The norms' backward scratch: LayerNorm's partial sums in floats, RMSNorm's in doubles.
-  o.layernorm_scratch_floats = Rms() ? 2 * RMSNormBackwardScratch(b * t, config().hidden_size)
-                                     : LayerNormBackwardScratch(b * t, config().hidden_size);
+  // Multi-latent attention's latent norms run over q_lora_rank and kv_lora_rank channels.
+  const int64_t widest = std::max<int64_t>(config().hidden_size, MlaWidestNorm(config()));
+  o.layernorm_scratch_floats =
+      Rms() ? 2 * RMSNormBackwardScratch(b * t, widest) : LayerNormBackwardScratch(b * t, widest);
   o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
   if constexpr (kFlash) {
     if (ContextFlash()) {  // the pairs' cuDNN graphs' workspace (the largest of the forward and backward ones)
@@ -252,7 +256,8 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, band);
     }
     if (config().attention_dropout > 0) {
-      AttentionShape one{1, t, shape.nh, shape.hd, shape.ng};
+      AttentionShape one = shape;
+      one.b = 1;
       PTK_ASSIGN_OR_RETURN(const int64_t bytes, FlashAttentionWorkspaceBytes<T>(one, config().attention_dropout, ctx_));
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, bytes);
       if (config().window_left >= 0) {
@@ -318,8 +323,9 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(Buf<float>(plan_.sink_zeros), 0,
                                              static_cast<size_t>(plan_[plan_.sink_zeros].bytes), ctx_.stream),
                              "zeroing the softmax offset");
+  if (config().mla()) PTK_RETURN_IF_ERROR(UploadMlaRope());  // cuda_mla_layer.cpp
   std::vector<float> rope;  // cos then sin, as the CPU model's tables (a longer t has the same first rows)
-  if (config().rope() && !cp()) {
+  if (config().rope() && !cp() && !config().mla()) {
     const int64_t half = config().rotary_dim() / 2;
     rope.assign(static_cast<size_t>(2 * plan_.t * half), 0.0f);
     RopeAngleTables(rope.data(), rope.data() + plan_.t * half, plan_.t, config().rotary_dim(),

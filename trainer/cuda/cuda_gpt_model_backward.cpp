@@ -68,7 +68,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBranchBackward(int64_t l, const T* dp
   const GPTConfig& cf = config();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width();
+  const int64_t n = n_, c = cf.hidden_size, ct = OutWidth(shape), qw = shape.qkv_width();
   T *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
   PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
                          MatmulBackward<T>(datt, Grad(lp.proj_w), proj_bias ? Grad(lp.proj_b) : nullptr, dproj,
@@ -81,6 +81,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBranchBackward(int64_t l, const T* dp
                                                  Act(plan_.gate, l, n * ct), n * ct, ctx_)));
   PTK_RETURN_IF_ERROR(
       Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, LayerShape(l, /*backward=*/true), ap, seed)));
+  if (cf.mla()) return MlaQkvBackward(l, dqkv);           // MLA's rotary embedding is in its projections' backward
   PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
   T* dproduct = dqkv;  // with the gate: the QKV and gate gradients merged into the fused product's rows
   if (gated) {
@@ -204,7 +205,7 @@ absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, cons
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape,
                                                double ap, uint64_t seed) {
-  const int64_t n = n_, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
+  const int64_t n = n_, c = OutWidth(shape), qw = shape.qkv_width();  // this rank's heads
   const T* qkv = Act(plan_.qkv, l, n * qw);
   const bool recompute = config().recompute_activations;
   // The core attention's output (before --attention-output-gate's gate).

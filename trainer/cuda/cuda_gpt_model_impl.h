@@ -21,6 +21,7 @@
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/mla_plan.h"
 #include "trainer/cuda/moe_layer_cuda.h"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/cuda/pinned_buffer.h"
@@ -311,12 +312,16 @@ class CudaGPTModelImpl final : public GPTModel {
     return Buf<uint64_t>(plan_.streams) + StreamIndex(layer, site, b_);
   }
 
-  // This rank's attention shape for the micro-batch: its query heads and query groups.
-  AttentionShape Shape() const {
+  // This rank's attention shape for the micro-batch: its query heads and query groups (MLA: its head widths, scale).
+  AttentionShape Shape() const { return ShapeFor(b_, t_); }
+  AttentionShape ShapeFor(int64_t b, int64_t t) const {
     const GPTConfig& cf = config();
-    return AttentionShape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim(),
-                          cf.query_groups() / tensor_size()};
+    const int64_t nh = cf.num_attention_heads / tensor_size();
+    if (cf.mla()) return AttentionShape{b, t, nh, cf.mla_q_head_dim(), nh, cf.v_head_dim, cf.MlaSoftmaxScale()};
+    return AttentionShape{b, t, nh, cf.head_dim(), cf.query_groups() / tensor_size()};
   }
+  // The attention output's width (proj's input): heads x the value heads' width.
+  static int64_t OutWidth(const AttentionShape& s) { return s.nh * s.v_dim(); }
   // Layer l's core attention: Shape() with Megatron's sliding window where the layer has it, and (fp32: the model
   // refuses it in bf16/fp16, CreateModel) the softmax offset, learnable's parameter (its gradient when `backward`) or
   // off-by-one's zeros (plan_.sink_zeros).
@@ -474,6 +479,16 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status MoeMlpBackward(int64_t l, const T* dmlp);
   std::vector<MoeLayerHost> moe_host_;  // per layer of the stage: what the forward left for backward
   double moe_aux_sum_ = 0, moe_z_sum_ = 0;
+
+  // cuda_mla_layer.cpp: multi-latent attention (cpu_mla_layer.cpp's) from ln1[l] into qkv[l]; backward from dqkv
+  // into dln (assigned), gradients added to; a latent norm (backward assigns dinp); the rotary tables (Plan).
+  absl::Status MlaQkvForward(int64_t l);
+  absl::Status MlaQkvBackward(int64_t l, const T* dqkv);
+  absl::Status UploadMlaRope();
+  MlaShape MlaShapeNow() const;
+  absl::Status MlaNormForward(T* out, float* stats, const T* inp, int64_t w, int64_t bias, int64_t c, const char* name);
+  absl::Status MlaNormBackward(T* dinp, const T* dout, const T* inp, const float* stats, int64_t w, int64_t bias,
+                               int64_t c, const char* name);
 
   // cuda_gpt_model_backward.cpp.
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.

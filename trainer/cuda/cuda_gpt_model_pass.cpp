@@ -161,7 +161,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const AttentionShape shape = Shape();
   // L: the stage's layers (the embedding's dropout streams are the table's layer L); the selected
   // model chunk runs the layers [l0, l1) of them (all without chunks).
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, L = StageLayers(), l0 = chunk_layer_begin(),
+  const int64_t n = n_, c = cf.hidden_size, ct = OutWidth(shape), L = StageLayers(), l0 = chunk_layer_begin(),
                 l1 = chunk_layer_end();
   const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
@@ -246,7 +246,12 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
   const GPTConfig& cf = config();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const AttentionShape shape = Shape();  // this tensor rank's heads and groups
-  const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width(), ct = shape.nh * shape.hd;
+  const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width(), ct = OutWidth(shape);
+  if (cf.mla()) {  // multi-latent attention: its own projections and rotary embedding (cuda_mla_layer.cpp)
+    PTK_RETURN_IF_ERROR(MlaQkvForward(l));
+    return Op("attention", "attention",
+              AttentionFwd(Act(plan_.atty, l, n * ct), Act(plan_.qkv, l, n * qw), l, LayerShape(l, false), ap, seed));
+  }
   const bool gated = cf.attention_output_gate, normed = cf.qk_layernorm || cf.qk_l2_norm;
   T* qkv = Act(plan_.qkv, l, n * qw);
   // --qk-layernorm / --qk-l2-norm: the product lands in qkv_raw (what the norms' backward reads), normalised into
@@ -290,7 +295,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
     return ContextAttnFwd(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr);
   }
   if constexpr (kFlash) {
-    const int64_t nh = shape.nh, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
+    const int64_t nh = shape.nh, c = OutWidth(shape), qw = shape.qkv_width();  // this rank's heads
     // Grouped-query attention: cuDNN reads the QKV heads first (a copy; the layer keeps Megatron's order).
     if (shape.groups() != nh) {
       T* heads = Buf<T>(plan_.qkv_heads);

@@ -186,7 +186,7 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
     return absl::InvalidArgumentError(fmt::format(
         "--sequence-parallel: a micro-batch of {} positions does not divide by the tensor group's {} ranks", t_, Tn));
   // L: the stage's layers (the embedding's dropout streams); the selected model chunk's are [l0, l1).
-  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, f = cf.ffn_hidden_size / Tn,
+  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = OutWidth(shape), f = cf.ffn_hidden_size / Tn,
                 L = StageLayers(), l0 = chunk_layer_begin(), l1 = chunk_layer_end();
   const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;

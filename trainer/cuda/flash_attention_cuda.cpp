@@ -36,12 +36,17 @@ using namespace flash_detail;  // NOLINT: the graph cache's ids and types, this 
 // otherwise plans needing more than `max_workspace` bytes are set aside.
 absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle, int64_t max_workspace,
                              const std::string& where, FlashGraph* out) {
-  const int64_t b = key.b, t = key.t, nh = key.nh, hd = key.hd, c = nh * hd, ng = key.groups;
+  // vd: the value heads' width (multi-latent attention's; hd otherwise): the output is (b, t, nh * vd).
+  const int64_t b = key.b, t = key.t, nh = key.nh, hd = key.hd, vd = key.vd > 0 ? key.vd : hd, c = nh * vd,
+                ng = key.groups;
   // Row width and head stride of the fused QKV: Megatron's (nh, 3, hd) without grouped-query
-  // attention, heads first (nh + 2 ng heads of hd) with it.
+  // attention (per head hd + hd + vd under MLA), heads first (nh + 2 ng heads of hd) with it.
   const bool grouped = ng != nh;
-  const int64_t c3 = (nh + 2 * ng) * hd, head_stride = grouped ? hd : 3 * hd;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const int64_t c3 = grouped ? (nh + 2 * ng) * hd : nh * (2 * hd + vd), head_stride = grouped ? hd : 2 * hd + vd;
+  double scale_value = 0;
+  static_assert(sizeof(scale_value) == sizeof(key.scale_bits));
+  std::memcpy(&scale_value, &key.scale_bits, sizeof(scale_value));
+  const float scale = static_cast<float>(scale_value > 0 ? scale_value : 1.0 / std::sqrt(static_cast<double>(hd)));
   const bool dropout = p > 0.0;
   try {
     auto g = std::make_shared<fe::graph::Graph>();
@@ -50,17 +55,17 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
         .set_compute_data_type(fe::DataType_t::FLOAT);
     // qkv(b, t, nh, 3, hd) seen as (b, nh, t, hd): batch stride t*3c, head stride 3hd, row stride 3c;
     // heads first (grouped), Q (b, nh, t, hd) and K, V (b, ng, t, hd) with head stride hd.
-    auto qkv_view = [&](const char* name, int64_t uid, int64_t heads) {
+    auto qkv_view = [&](const char* name, int64_t uid, int64_t heads, int64_t width) {
       return g->tensor(fe::graph::Tensor_attributes()
                            .set_name(name)
                            .set_uid(uid)
-                           .set_dim({b, heads, t, hd})
+                           .set_dim({b, heads, t, width})
                            .set_stride({t * c3, head_stride, c3, 1}));
     };
-    // out(b, t, nh*hd) as (b, nh, t, hd).
-    const std::vector<int64_t> o_dim{b, nh, t, hd}, o_stride{t * c, hd, c, 1};
+    // out(b, t, nh*vd) as (b, nh, t, vd).
+    const std::vector<int64_t> o_dim{b, nh, t, vd}, o_stride{t * c, vd, c, 1};
     const std::vector<int64_t> stats_dim{b, nh, t, 1}, stats_stride{nh * t, t, 1, 1};
-    auto Q = qkv_view("Q", kQ, nh), K = qkv_view("K", kK, ng), V = qkv_view("V", kV, ng);
+    auto Q = qkv_view("Q", kQ, nh, hd), K = qkv_view("K", kK, ng, hd), V = qkv_view("V", kV, ng, vd);
     std::shared_ptr<fe::graph::Tensor_attributes> seed, offset;
     if (dropout) {
       seed = g->tensor(fe::graph::Tensor_attributes()
@@ -109,10 +114,11 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
       if (dropout) opts.set_dropout(static_cast<float>(p), seed, offset);
       if (key.deterministic) opts.set_deterministic_algorithm(true);
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
-      const std::vector<int64_t> q_dim{b, nh, t, hd}, kv_dim{b, ng, t, hd}, qkv_stride{t * c3, head_stride, c3, 1};
+      const std::vector<int64_t> q_dim{b, nh, t, hd}, kv_dim{b, ng, t, hd}, v_dim{b, ng, t, vd},
+          qkv_stride{t * c3, head_stride, c3, 1};
       dQ->set_output(true).set_uid(kDQ).set_dim(q_dim).set_stride(qkv_stride);
       dK->set_output(true).set_uid(kDK).set_dim(kv_dim).set_stride(qkv_stride);
-      dV->set_output(true).set_uid(kDV).set_dim(kv_dim).set_stride(qkv_stride);
+      dV->set_output(true).set_uid(kDV).set_dim(v_dim).set_stride(qkv_stride);
     }
     return BuildPlans(std::move(g), handle, max_workspace, where, out);
   } catch (const std::exception& ex) {
@@ -129,6 +135,9 @@ FlashKey MakeKey(const CudaContext& ctx, bool backward, const AttentionShape& s,
   FlashKey key{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd, s.groups(),
                bits,      backward && ctx.deterministic};
   key.window = s.window;
+  key.vd = s.vd > 0 && s.vd != s.hd ? s.vd : 0;
+  static_assert(sizeof(key.scale_bits) == sizeof(s.scale));
+  std::memcpy(&key.scale_bits, &s.scale, sizeof(s.scale));
   return key;
 }
 
@@ -148,6 +157,7 @@ struct QkvOffsets {
   int64_t k, v;
   explicit QkvOffsets(const AttentionShape& s)
       : k(s.groups() != s.nh ? s.nh * s.hd : s.hd), v(s.groups() != s.nh ? (s.nh + s.groups()) * s.hd : 2 * s.hd) {}
+  // (Under multi-latent attention a head's query and key are hd wide, its value vd: the same k and v.)
 };
 
 }  // namespace

@@ -45,8 +45,13 @@ struct FlashKey {
   // Megatron's sliding window (AttentionShape::window; the single-GPU graph only): -1 none, else the keys a query
   // row attends before itself (cuDNN's diagonal band left bound window + 1: it keeps key > query - bound).
   int64_t window = -1;
+  // Multi-latent attention (the single-GPU graph only): the value heads' width (0: hd) and the scores' scale, bit
+  // for bit (0: 1 / sqrt(hd)).
+  int64_t vd = 0;
+  uint64_t scale_bits = 0;
   auto Tie() const {
-    return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic, pair, window);
+    return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic, pair, window, vd,
+                    scale_bits);
   }
   bool operator<(const FlashKey& o) const { return Tie() < o.Tie(); }
 };
@@ -84,6 +89,9 @@ absl::Status CheckFlash(const AttentionShape& s, double p, const CudaContext& ct
   if (absl::Status st = attention_detail::CheckShape(s, where); !st.ok()) return st;
   if (!(p >= 0.0 && p < 1.0))
     return absl::InvalidArgumentError(fmt::format("{}: dropout probability {} outside [0, 1)", where, p));
+  if (s.v_dim() != s.hd && s.groups() != s.nh)  // multi-latent attention has a key and value per head
+    return absl::UnimplementedError(fmt::format(
+        "{}: value heads of {} channels with query groups: ptk's graphs take them per head", where, s.v_dim()));
   if (s.sink || s.dsink)  // cuDNN 9.13+ has a sink token; ptk's graphs do not use it yet
     return absl::UnimplementedError(
         fmt::format("{}: a softmax offset (--softmax-type) in bf16/fp16 attention: ptk's cuDNN graphs take none (the "

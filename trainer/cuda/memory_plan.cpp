@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "common/status.h"
 #include "trainer/cuda/launch_math.h"
+#include "trainer/cuda/mla_plan.h"
 #include "trainer/cuda/moe_plan.h"
 
 namespace ptk::cuda {
@@ -73,6 +74,10 @@ std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& pl) {
       if (o >= 0) tensors.emplace_back(o, c);  // RMSNorm has no bias (-1)
     for (int64_t o : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b})
       if (o >= 0) tensors.emplace_back(o, hd);  // --qk-layernorm's
+    for (int64_t o : {lp.mla_q_norm_w, lp.mla_q_norm_b})
+      if (o >= 0) tensors.emplace_back(o, pl.config.q_lora_rank);  // multi-latent attention's latent norms
+    for (int64_t o : {lp.mla_kv_norm_w, lp.mla_kv_norm_b})
+      if (o >= 0) tensors.emplace_back(o, pl.config.kv_lora_rank);
   }
   for (int64_t o : {pl.lnf_w, pl.lnf_b})
     if (o >= 0) tensors.emplace_back(o, c);
@@ -223,7 +228,7 @@ void AddScratchBuffers(const GPTConfig& cf, const PlanOptions& o, int64_t nr, in
   m.attn_scratch =
       add("scratch: attention backward", m.RowsAttention() ? o.attention_scratch_floats * 4 : 0, act_lower);
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
-  if (cf.qk_layernorm)
+  if (cf.qk_layernorm && !cf.mla())
     m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
   if (cf.attention_output_gate) {
     m.qkv_fused = add("scratch: QKV and gate product (gated attention)", n * (qw + ct) * a, act_lower);
@@ -231,7 +236,13 @@ void AddScratchBuffers(const GPTConfig& cf, const PlanOptions& o, int64_t nr, in
   }
   if (cf.softmax_sink() && !cf.learnable_softmax())
     m.sink_zeros = add("softmax offset zeros (off-by-one)", cf.num_attention_heads / o.tensor * 4);
-  if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
+  if (cf.rope() && !cf.mla())
+    m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
+  if (cf.mla()) {  // multi-latent attention's rotary tables and its projections' scratch (mla_plan.h)
+    m.mla_rope = add("multi-latent attention rotary tables (fp32 cos, sin)", 2 * t * (cf.qk_pos_emb_head_dim / 2) * 4);
+    m.mla_scratch = add("scratch: multi-latent attention projections",
+                        PlanMlaBuffers(MlaShapeOf(cf, m.b, t, o.tensor, a)).scratch_bytes, act_lower);
+  }
   if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
   if (!m.RowsAttention() && grouped) {
     m.qkv_heads = add("scratch: QKV heads first (grouped-query fused attention)", n * qw * a, act_lower);
@@ -284,8 +295,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   // under SwiGLU), vocabulary vp.
   // A slot's layers L (a model chunk's with chunks; the stage's otherwise), the stage's Ls.
   const int64_t Ls = o.layers >= 0 ? o.layers : cf.num_layers;
+  // Under multi-latent attention ct is heads x v_head_dim and qw the fused buffer the core attention reads.
   const int64_t L = Ls / o.pipeline_chunks, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
-                ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
+                ng = cf.query_groups() / T, ct = cf.attention_width() / T,
+                qw = cf.mla() ? cf.qkv_rows() / T : (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
                 ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
   const bool grouped = ng != nh;
   if (m.context_flash && grouped)
@@ -303,7 +316,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
-  if (cf.qk_layernorm || cf.qk_l2_norm) {  // inside the slot's activations: a pipeline stage keeps them per micro-batch
+  if ((cf.qk_layernorm || cf.qk_l2_norm) &&
+      !cf.mla()) {  // inside the slot's activations: a pipeline stage keeps them per micro-batch
     m.qk_rows = nh + ng;
     m.qk_stats_per_layer = (cf.normalization == Normalization::kRMSNorm || cf.qk_l2_norm ? 1 : 2) * n * m.qk_rows;
     m.qkv_raw = add("activations: QKV before the query and key norms", L * n * qw * a, act_lower);
@@ -313,6 +327,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   if (cf.attention_output_gate) {  // --attention-output-gate: the gate and the core attention's output before it
     m.gate = add("activations: attention output gate", L * n * ct * a, act_lower);
     m.att_pre = add("activations: attention output before the gate", L * n * ct * a, act_lower);
+  }
+  if (cf.mla()) {  // multi-latent attention's latents per layer (mla_plan.h)
+    m.mla_saved_bytes = PlanMlaBuffers(MlaShapeOf(cf, m.b, t, T, a)).saved_bytes;
+    m.mla_saved = add("activations: multi-latent attention latents", L * m.mla_saved_bytes, act_lower);
   }
   AddAttentionSaved(o, L, nh, act_lower, add);
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);

@@ -125,6 +125,13 @@ struct MemoryPlan {
   // moe_scratch one layer's pass scratch (trainer/cuda/moe_plan.h's PlanMoeBuffers).
   int moe_saved = -1, moe_scratch = -1;
   int64_t moe_layers = 0, moe_saved_bytes = 0;
+  // Multi-latent attention (GPTConfig::mla; else -1): mla_saved holds a region of mla_saved_bytes per layer of the
+  // slot, what its projections' backward reads, mla_scratch one pass's scratch (trainer/cuda/mla_plan.h's
+  // PlanMlaBuffers), mla_rope MLA's own rotary tables (fp32 cos, then sin: t x qk_pos_emb_head_dim / 2 each). qkv
+  // is then the fused buffer the core attention reads (per head its query, key and value) and atty heads x
+  // v_head_dim wide.
+  int mla_saved = -1, mla_scratch = -1, mla_rope = -1;
+  int64_t mla_saved_bytes = 0;
   // The attention keeps fp32 probabilities (fp32, or context parallelism's rows attention), not statistics.
   bool RowsAttention() const { return !flash || (context > 1 && !context_flash); }
 
@@ -186,9 +193,13 @@ int64_t InputBytes(int64_t n);
 // The norms' parameters (every layer's two, and the final one): weight and bias (LayerNorm) or the
 // weight alone (RMSNorm), hidden size each; with --qk-layernorm each layer's query and key norms
 // too, head_dim each (whole on every tensor rank).
+// Under multi-latent attention --qk-layernorm's are the latent norms instead: q_lora_rank (with one) and
+// kv_lora_rank each.
 inline int64_t LayerNormParamCount(const GPTConfig& config) {
   const int64_t tensors = config.normalization == Normalization::kRMSNorm ? 1 : 2;
-  const int64_t qk = config.qk_layernorm ? 2 * config.head_dim() : 0;
+  const int64_t qk = !config.qk_layernorm ? 0
+                     : config.mla()       ? config.q_lora_rank + config.kv_lora_rank
+                                          : 2 * config.head_dim();
   return tensors * ((2 * config.num_layers + 1) * config.hidden_size + config.num_layers * qk);
 }
 
