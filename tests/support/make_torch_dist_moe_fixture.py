@@ -15,7 +15,9 @@ _build_sharded_state_dict_metadata gives (singleton_local_shards False).
   moe_tp2          moe_tp1's checkpoint loaded by megatron-core into tensor size 2 (two gloo processes; the experts
                    split over the tensor ranks as the dense MLP, SwiGLU's gate and up halves too; --sequence-parallel,
                    which MoE there requires) and saved from there, nothing run
-  moe_ep2          the same into expert size 2 (each rank 2 whole experts, data-parallel size 2 for the rest)
+  moe_ep2          the same into expert size 2 (each rank 2 whole experts, data-parallel size 2 for the rest), the
+                   model only (saved with --no-save-optim: megatron-core's ChainedOptimizer of the dense and the
+                   expert optimizers refuses the TP 1 optimizer's state)
   mla_tp1          multi-latent attention (q_lora_rank 8, --qk-layernorm, RMSNorm, SwiGLU, rope): linear_q_down_proj,
                    linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm, linear_proj
 
@@ -116,7 +118,7 @@ def sd_metadata():
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def save(gpt, opt, sched, out, args):
+def save(gpt, opt, sched, out, args, optimizer=True):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     if dist.get_rank() == 0 and os.path.exists(out):
@@ -129,8 +131,9 @@ def save(gpt, opt, sched, out, args):
     md = sd_metadata()
     model_sd = gpt.sharded_state_dict(metadata=md)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
-             "optimizer": opt.sharded_state_dict(model_sd, metadata=md), "opt_param_scheduler": sched.state_dict(),
-             "num_floating_point_operations_so_far": 0}
+             "opt_param_scheduler": sched.state_dict(), "num_floating_point_operations_so_far": 0}
+    if optimizer:
+        state["optimizer"] = opt.sharded_state_dict(model_sd, metadata=md)
     dist_checkpointing.save(state, iter_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
@@ -237,14 +240,19 @@ def reshard_worker(rank, store, out, tp, ep):
     # Nothing run (the optimizer's state is made by sharded_state_dict(is_loading=True), then loaded into).
     md = sd_metadata()
     model_sd = gpt.sharded_state_dict(metadata=md)
-    opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=md)
-    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd,
-                                     "opt_param_scheduler": sched.state_dict()},
-                                    os.path.join(out, "moe_tp1", f"iter_{ITERATION:07d}"))
+    # Expert size 2: the experts' optimizer is a second one (a ChainedOptimizer), whose load_state_dict refuses the
+    # TP 1 optimizer's state ("Expected 2 entries in state dict, but got 4"): the model only, saved without it.
+    with_optimizer = ep == 1
+    load = {"model": model_sd, "opt_param_scheduler": sched.state_dict()}
+    if with_optimizer:
+        load["optimizer"] = opt.sharded_state_dict(model_sd, is_loading=True, metadata=md)
+    state = dist_checkpointing.load(load, os.path.join(out, "moe_tp1", f"iter_{ITERATION:07d}"))
     gpt.load_state_dict(state["model"], strict=False)
-    opt.load_state_dict(state["optimizer"])
+    if with_optimizer:
+        opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["opt_param_scheduler"])
-    save(gpt, opt, sched, os.path.join(out, RESHARDS[(tp, ep)]), megatron_args(c, False, tp=tp, ep=ep))
+    save(gpt, opt, sched, os.path.join(out, RESHARDS[(tp, ep)]), megatron_args(c, False, tp=tp, ep=ep),
+         optimizer=with_optimizer)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
