@@ -20,6 +20,7 @@
 
 #include "common/hash.h"
 #include "interop/megatron.h"
+#include "interop/megatron_common.h"
 #include "interop/torch_dist.h"
 #include "interop/torch_format.h"
 #include "tests/test_util.h"
@@ -272,6 +273,25 @@ TEST(TorchDistMoeRefused, MultiTokenPredictionIsRefusedNamingCommonPt) {
   ExpectRefused("moe_tp1",
                 [](const std::string& d) { RewriteArgs(d + "/common.pt", "mtp_num_layers", torchfmt::MakeInt(1)); },
                 {"common.pt: a multi-token prediction model (--mtp-num-layers 1) in the torch_dist format"});
+}
+
+// A stacked key (a model whose layers are alike saves each parameter stacked over its layers) must hold exactly the
+// layers that have the parameter: one missing, or one more, is refused naming the file, the key and the layer.
+TEST(TorchDistMoeRefused, AStackedKeysLayersMustBeTheModels) {
+  GPTConfig c;
+  c.num_layers = 3;
+  c.num_experts = 4;
+  c.moe_layer_pattern = {1, 0, 1};
+  EXPECT_TRUE(megatron::CheckStackedLayers(c, "f/.metadata", "k", {true, false, true}, {0, 2}).ok());
+  const absl::Status missing = megatron::CheckStackedLayers(c, "f/.metadata", "k", {true, false, false}, {0, 2});
+  EXPECT_EQ(
+      missing.message(),
+      "f/.metadata: tensor k: layer 2 missing (not saved), which common.pt's args make a mixture-of-experts layer "
+      "with this parameter");
+  const absl::Status extra = megatron::CheckStackedLayers(c, "f/.metadata", "k", {true, true, true}, {0, 2});
+  EXPECT_EQ(extra.message(),
+            "f/.metadata: tensor k: holds layer 1, which common.pt's args make a dense layer without this parameter "
+            "(--moe-layer-freq)");
 }
 
 }  // namespace
