@@ -275,6 +275,18 @@ TEST(TorchDistMoeRefused, MultiTokenPredictionIsRefusedNamingCommonPt) {
                 {"common.pt: a multi-token prediction model (--mtp-num-layers 1) in the torch_dist format"});
 }
 
+// The distributed optimizer's grad-buffer formats of a MoE model (its experts in grad buffers of the expert data
+// group) are refused naming the object: a byte item renamed as dp_zero_gather_scatter's param_state.
+TEST(TorchDistMoeRefused, TheGradBufferOptimizerStateOfAMoeModelIsNamed) {
+  ExpectRefused("moe_tp1",
+                [](const std::string& d) {
+                  Replace(d + "/.metadata", "decoder.layers.0.mlp.experts.experts.linear_fc1._extra_state/shard_0_4",
+                          "optimizer.distributed.dp_group_idx_0.param_state/shard_000000000000000");
+                },
+                {".metadata", "optimizer.distributed.dp_group_idx_0.param_state/shard_000000000000000",
+                 "mixture-of-experts", "fully_reshardable"});
+}
+
 // A stacked key (a model whose layers are alike saves each parameter stacked over its layers) must hold exactly the
 // layers that have the parameter: one missing, or one more, is refused naming the file, the key and the layer.
 TEST(TorchDistMoeRefused, AStackedKeysLayersMustBeTheModels) {
