@@ -157,6 +157,27 @@ absl::Status CheckMtpExport(const ConvertOptions& o, const GPTConfig& c, const s
 void AddMtpSettings(const GPTConfig& c, std::vector<std::pair<std::string, std::string>>* settings);
 std::string MtpTrainFlags(const GPTConfig& c);
 
+// torch_dist's sharded keys (interop/megatron_dist_keys.cpp). DistKeyOf: the key megatron-core gives `m` (a parameter
+// of MegParams(layout, 1), or a MegBuffer's name as both names) under the `te` or local spec, and its indices on the
+// key's leading axes: the layer (-1: not stacked; `per_layer`: each layer a key of its own) and the routed expert
+// (-1: none). DistModelArgs: `args` without
+// the experts' parallel layout (grouped GEMM, the expert-parallel and expert-tensor sizes set to ptk's, each noted in
+// `notes`), which torch_dist's global tensors do not depend on.
+struct DistKey {
+  std::string key;
+  int64_t layer = -1, expert = -1;
+};
+DistKey DistKeyOf(const GPTConfig& c, const MegParam& m, bool te, bool per_layer);
+torchfmt::PyRef DistModelArgs(const PyValue* args, int64_t tp, std::vector<std::string>* notes);
+// The layers a stacked key's saved slices (`present`, per layer) hold against the `layers` of the model `c` that
+// have its parameter: a layer missing, or one saved beside them, refused naming `file` and `key`.
+absl::Status CheckStackedLayers(const GPTConfig& c, const std::string& file, const std::string& key,
+                                const std::vector<bool>& present, const std::vector<int64_t>& layers);
+// fully_sharded_model_space's tensor `v`, saved as `saved` ([X/x, Y/y, ..., x*y*...]), back to `shape` ([X, Y, ...]);
+// `where` names it in the refusal of a shape of neither form.
+absl::StatusOr<std::vector<float>> Unflatten(const std::vector<float>& v, const std::vector<int64_t>& saved,
+                                             const std::vector<int64_t>& shape, const std::string& where);
+
 // A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
 // (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins unless `release`).
 absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,

@@ -23,57 +23,6 @@
 namespace ptk::megatron {
 namespace {
 
-// The sharded key megatron-core's GPTModel.sharded_state_dict gives a ptk parameter, and whether its
-// layers are stacked on a leading axis (decoder.layers.N.X -> decoder.layers.X, [L, ...]).
-struct DistKey {
-  std::string key;
-  int64_t layer = -1;  // the index on the leading axis; -1 not stacked
-};
-
-// megatron-core's sharded keys use Transformer Engine's names for either layer spec (the local spec's
-// input_layernorm is saved as self_attention.linear_qkv.layer_norm_weight, so that each loads the other).
-DistKey KeyOf(const MegParam& m) {
-  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
-  std::smatch match;
-  const std::string& name = m.te_name;  // MegParams(layout, 1): global layer numbers
-  if (std::regex_match(name, match, kLayer))
-    return DistKey{"decoder.layers." + match[2].str(), std::atoll(match[1].str().c_str())};
-  return DistKey{name, -1};
-}
-
-// fully_sharded_model_space's tensor `v`, saved as `saved` ([X/x, Y/y, ..., x*y*...]: the grid of the
-// ranks' local shapes [x, y, ...], then a local shape flattened), back to `shape` ([X, Y, ...]); a shape
-// of neither form is refused.
-absl::StatusOr<std::vector<float>> Unflatten(const std::vector<float>& v, const std::vector<int64_t>& saved,
-                                             const std::vector<int64_t>& shape, const std::string& where) {
-  const size_t n = shape.size();
-  std::vector<int64_t> local(n, 1);
-  int64_t local_numel = 1;
-  bool ok = saved.size() == n + 1;
-  for (size_t d = 0; ok && d < n; ++d) {
-    ok = saved[d] > 0 && shape[d] % saved[d] == 0;
-    if (ok) local_numel *= (local[d] = shape[d] / saved[d]);
-  }
-  if (!ok || saved[n] != local_numel)
-    return absl::DataLossError(
-        fmt::format("{}: shape {}: neither the parameter's {} nor a grid of its flattened "
-                    "local shards ([X/x, ..., x*...])",
-                    where, ShapeStr(saved), ShapeStr(shape)));
-  std::vector<int64_t> stride(n, 1);
-  for (size_t d = n; d-- > 1;) stride[d - 1] = stride[d] * shape[d];
-  std::vector<float> out(v.size());
-  for (int64_t src = 0; src < static_cast<int64_t>(v.size()); ++src) {
-    int64_t grid = src / local_numel, in_local = src % local_numel, dst = 0;
-    for (size_t d = n; d-- > 0;) {
-      dst += ((grid % saved[d]) * local[d] + in_local % local[d]) * stride[d];
-      grid /= saved[d];
-      in_local /= local[d];
-    }
-    out[dst] = v[src];
-  }
-  return out;
-}
-
 // The distributed optimizer's state in megatron-core's grad-buffer layout, one world state per grad buffer of
 // each model-parallel rank (the N of optimizer.distributed.dp_group_idx_N: megatron-core's model-parallel group
 // rank, tensor rank + TP x pipeline rank; an interleaved run's rank has a grad buffer per model chunk,
@@ -263,7 +212,7 @@ class DistImport {
     PTK_ASSIGN_OR_RETURN(const int64_t adam_step, AdamStep());
     AddNotes();
     PTK_RETURN_IF_ERROR(SaveImported(o_, args_, root(), reader_.get(), *layout_, model_.divisible, have_moments_,
-                                     have_moments_ ? adam_step : 0, weights_, m1_, m2_, &s_));
+                                     have_moments_ ? adam_step : 0, weights_, m1_, m2_, &s_, std::move(buffers_)));
     s_.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors){}", ck_->tensors().size(),
                                    have_moments_ ? ", with the AdamW moments" : ""));
     return s_;
@@ -294,25 +243,39 @@ class DistImport {
         std::max<int64_t>(1, static_cast<int64_t>(NumAttr(args_, "virtual_pipeline_model_parallel_size").value_or(1)));
     saved_tp_ = static_cast<int64_t>(NumAttr(args_, "tensor_model_parallel_size").value_or(1));
     saved_pp_ = static_cast<int64_t>(NumAttr(args_, "pipeline_model_parallel_size").value_or(1));
-    if (BoolAttr(args_, "multi_latent_attention", false))  // MLA's sharded keys are not read yet
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: a multi-latent attention model (--multi-latent-attention) in the torch_dist format: ptk-convert reads "
-          "MLA checkpoints in the torch format only (save with --ckpt-format torch)",
-          common_));
+    te_ = StrAttr(args_, "transformer_impl").value_or("transformer_engine") != "local";
+    model_args_ = DistModelArgs(args_, saved_tp_, &s_.notes);  // the experts' global tensors: any expert layout
+    args_ = model_args_.get();
     PTK_ASSIGN_OR_RETURN(model_, ModelFromArgs(args_, common_, o_, saved_tp_));
-    if (model_.config.moe())  // its experts' sharded keys are not read yet
+    if (model_.config.mtp_num_layers > 0)  // MultiTokenPredictionBlock's sharded keys are not read yet
       return absl::FailedPreconditionError(fmt::format(
-          "{}: a mixture-of-experts model (--num-experts {}) in the torch_dist format: ptk-convert reads MoE "
+          "{}: a multi-token prediction model (--mtp-num-layers {}) in the torch_dist format: ptk-convert reads MTP "
           "checkpoints in the torch format only (save with --ckpt-format torch)",
-          common_, model_.config.num_experts));
+          common_, model_.config.mtp_num_layers));
     s_.config = model_.config;
     PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config()));
     layout_ = std::move(layout);
     PTK_ASSIGN_OR_RETURN(params_, MegParams(*layout_, 1));
-    // Each key read once (a stacked tensor holds every layer's parameter).
+    // megatron-core's non_homogeneous_layers: a model whose layers differ (MoE and dense) saves a key per layer.
+    per_layer_ = !config().moe_layer_pattern.empty();
+    // Each key read once (a stacked tensor holds every layer's parameter, every expert's); the routers' expert
+    // biases (persistent buffers) as parameters of a layout of their own.
     for (const MegParam& m : params_) {
-      const DistKey k = KeyOf(m);
-      by_key_[k.key].emplace_back(&m, k.layer);
+      const DistKey k = DistKeyOf(config(), m, te_, per_layer_);
+      by_key_[k.key].emplace_back(&m, k);
+    }
+    const std::vector<MegBuffer> buffers = MegBuffers(config(), params_);
+    buffer_infos_.reserve(buffers.size());  // MegParams point at them
+    for (const MegBuffer& b : buffers) {
+      buffer_infos_.push_back(ParamInfo{.name = b.name, .shape = {b.size}, .offset = 0, .size = b.size});
+      MegParam m;
+      m.info = &buffer_infos_.back();
+      m.local_name = m.te_name = b.local_name;
+      buffer_params_.push_back(m);
+    }
+    for (const MegParam& m : buffer_params_) {
+      const DistKey k = DistKeyOf(config(), m, te_, per_layer_);
+      buffers_by_key_[k.key].emplace_back(&m, k);
     }
     return absl::OkStatus();
   }
@@ -320,20 +283,25 @@ class DistImport {
   // The keys the model must have, each with its global shape; nothing else but the optimizer's.
   absl::Status CheckKeys() {
     const GPTConfig& c = config();
-    for (const MegParam& m : params_) {
-      const DistKey k = KeyOf(m);
-      std::vector<int64_t> shape = m.info->shape;
-      if (m.vocab) shape[0] = model_.ckpt_padded;
-      if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
-      want_[k.key] = shape;
-    }
+    for (const auto* keys : {&by_key_, &buffers_by_key_})
+      for (const auto& [key, members] : *keys) {
+        const auto& [m, k] = members.front();
+        std::vector<int64_t> shape = m->info->shape;
+        if (m->vocab) shape[0] = model_.ckpt_padded;
+        if (k.expert >= 0) shape.insert(shape.begin(), c.num_experts);
+        if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
+        want_[key] = shape;
+      }
     for (const auto& [key, e] : ck_->tensors()) {
       if (want_.count(key)) {
         if (e.shape != want_.at(key))
           return Bad(meta_, fmt::format("tensor {}: shape {}, the model common.pt's args describe has {} (--num-layers "
-                                        "{}, --hidden-size {}, --ffn-hidden-size {}, padded vocabulary {})",
+                                        "{}, --hidden-size {}, --ffn-hidden-size {}, padded vocabulary {}{})",
                                         key, ShapeStr(e.shape), ShapeStr(want_.at(key)), c.num_layers, c.hidden_size,
-                                        c.ffn_hidden_size, model_.ckpt_padded));
+                                        c.ffn_hidden_size, model_.ckpt_padded,
+                                        c.moe() ? fmt::format(", --num-experts {}, --moe-ffn-hidden-size {}",
+                                                              c.num_experts, c.moe_ffn())
+                                                : ""));
         continue;
       }
       if (key.rfind("optimizer.", 0) == 0) {
@@ -342,8 +310,8 @@ class DistImport {
       }
       // megatron-core's singleton_local_shards layout (what its metadata asks for, never Megatron-LM since 0.14):
       // each layer a key of its own, SwiGLU's gate and up as linear_fc1.weight_w / _v.
-      static const std::regex kSingleton(R"(decoder\.layers\.\d+\..*|.*\.linear_fc1\.(weight|bias)_[wv])");
-      if (std::regex_match(key, kSingleton))
+      static const std::regex kLayerKey(R"(decoder\.layers\.\d+\..*)"), kGlu(R"(.*\.linear_fc1\.(weight|bias)_[wv])");
+      if (std::regex_match(key, kGlu) || (!per_layer_ && std::regex_match(key, kLayerKey)))
         return Bad(meta_, fmt::format("tensor {}: megatron-core's singleton_local_shards layout (a key per layer, "
                                       "SwiGLU's gate and up apart as linear_fc1.weight_w / _v), which Megatron-LM "
                                       "does not save and ptk does not read: save with Megatron-LM's save_checkpoint",
@@ -392,6 +360,12 @@ class DistImport {
                [mt[5].str()] = key;
     }
     if (g.empty()) return absl::OkStatus();
+    if (config().moe() || config().mla())  // the experts' grad buffers are the expert-data-parallel group's
+      return Bad(meta_, fmt::format("{}: {} state of a {} model: ptk reads its torch_dist optimizer state in model "
+                                    "space only (the plain optimizer's, or the distributed optimizer's "
+                                    "fully_reshardable: --dist-ckpt-optim-fully-reshardable)",
+                                    g.objects.empty() ? *optimizer_keys_.begin() : g.objects.begin()->second,
+                                    layout_name_, config().moe() ? "mixture-of-experts" : "multi-latent attention"));
     const std::string first_bucket =
         g.buckets.empty() ? "" : g.buckets.begin()->second.begin()->second.begin()->second.begin()->second;
     if (saved_vp_ > 1 && !g.objects.empty())
@@ -413,14 +387,31 @@ class DistImport {
     return absl::OkStatus();
   }
 
-  // The stacked tensor `base`'s values `v` scattered to ptk's tensors: the layer's slice, then ptk's rows (the
-  // vocabulary cut to ptk's padding: a prefix).
-  void Scatter(const std::string& base, const std::vector<float>& v, std::vector<float>& dst) const {
-    for (const auto& [m, layer] : by_key_.at(base)) {
-      const int64_t per_layer = Elements(want_.at(base)) / (layer >= 0 ? config().num_layers : 1);
-      const int64_t start = layer >= 0 ? layer * per_layer : 0;
+  using Members = std::vector<std::pair<const MegParam*, DistKey>>;
+  // The stacked tensor `base`'s values `v` scattered to its members' tensors: the layer's (and expert's) slice,
+  // then ptk's rows (the vocabulary cut to ptk's padding: a prefix).
+  void Scatter(const std::string& base, const Members& members, const std::vector<float>& v,
+               std::vector<float>& dst) const {
+    const int64_t experts = std::max<int64_t>(1, config().num_experts);
+    for (const auto& [m, k] : members) {
+      const int64_t slots = (k.layer >= 0 ? config().num_layers : 1) * (k.expert >= 0 ? experts : 1);
+      const int64_t slot =
+          std::max<int64_t>(k.layer, 0) * (k.expert >= 0 ? experts : 1) + std::max<int64_t>(k.expert, 0);
+      const int64_t start = slot * (Elements(want_.at(base)) / slots);
       std::copy(v.begin() + start, v.begin() + start + m->info->size, dst.begin() + m->info->offset);
     }
+  }
+
+  // Tensor `key` (`base`'s or its optimizer state's): a stacked one holds exactly its members' layers (megatron-core
+  // stacks a key over the layers that have it: a MoE model's MoE layers, its dense ones), each whole.
+  absl::StatusOr<std::vector<float>> ReadKey(const std::string& key, const Members& members) {
+    if (members.front().second.layer < 0) return ck_->ReadFloat(key);
+    std::vector<bool> present;
+    PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck_->ReadFloat(key, &present));
+    std::vector<int64_t> layers;
+    for (const auto& [m, k] : members) layers.push_back(k.layer);
+    PTK_RETURN_IF_ERROR(CheckStackedLayers(config(), meta_, key, present, layers));
+    return v;
   }
 
   // The weights and the optimizer's state, with a progress line (tensors and bytes of the checkpoint's).
@@ -444,8 +435,16 @@ class DistImport {
   absl::Status ReadWeights() {
     for (const auto& [base, members] : by_key_) {
       if (ck_->tensors().at(base).dtype != torchfmt::DType::kFloat32) low_precision_ = true;
-      PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck_->ReadFloat(base));
-      Scatter(base, v, weights_);
+      PTK_ASSIGN_OR_RETURN(std::vector<float> v, ReadKey(base, members));
+      Scatter(base, members, v, weights_);
+    }
+    for (const MegParam& m : buffer_params_) buffers_.emplace_back(m.info->name, std::vector<float>(m.info->size));
+    for (const auto& [base, members] : buffers_by_key_) {  // the expert biases, each into its own vector
+      PTK_ASSIGN_OR_RETURN(std::vector<float> v, ReadKey(base, members));
+      for (const auto& member : members) {
+        std::vector<float>& dst = buffers_[static_cast<size_t>(member.first - buffer_params_.data())].second;
+        Scatter(base, Members{member}, v, dst);
+      }
     }
     return absl::OkStatus();
   }
@@ -486,12 +485,16 @@ class DistImport {
         if (it == tensors.end())
           return Bad(meta_, fmt::format("tensor {}: missing from {} state (which has {}, ...)", key, layout_name_,
                                         *optimizer_keys_.begin()));
-        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck_->ReadFloat(key));
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v,
+                             it->second.shape == want_.at(base) ? ReadKey(key, members) : ck_->ReadFloat(key));
         if (it->second.shape != want_.at(base)) {
           PTK_ASSIGN_OR_RETURN(v, Unflatten(v, it->second.shape, want_.at(base),
                                             fmt::format("{}: tensor {} ({} state)", meta_, key, layout_name_)));
         }
-        Scatter(base, v, what == master ? weights_ : std::string(what) == "optimizer.state.exp_avg." ? m1_ : m2_);
+        Scatter(base, members, v,
+                what == master                                    ? weights_
+                : std::string(what) == "optimizer.state.exp_avg." ? m1_
+                                                                  : m2_);
         optimizer_keys_.erase(key);
       }
     }
@@ -561,6 +564,9 @@ class DistImport {
   std::string common_, meta_, layout_name_;
   std::unique_ptr<torchfmt::TorchArchiveReader> reader_, groups_reader_;
   const PyValue* args_ = nullptr;
+  torchfmt::PyRef model_args_;              // common.pt's args without the experts' parallel layout (DistModelArgs)
+  bool te_ = true;                          // Transformer Engine's names (args.transformer_impl)
+  bool per_layer_ = false;                  // a key per layer (DistKeyOf)
   const PyValue* opt_common_ = nullptr;     // common.pt's optimizer: the param groups (and Adam's step)
   const PyValue* groups_holder_ = nullptr;  // the grad-buffer formats' param groups object
   int64_t saved_tp_ = 1, saved_pp_ = 1, saved_vp_ = 1;
@@ -568,8 +574,12 @@ class DistImport {
   std::optional<ParamLayout> layout_;
   std::vector<MegParam> params_;
   std::unique_ptr<torchdist::DistCheckpoint> ck_;
-  std::map<std::string, std::vector<int64_t>> want_;                                // each model key's global shape
-  std::map<std::string, std::vector<std::pair<const MegParam*, int64_t>>> by_key_;  // key -> (param, layer)
+  std::map<std::string, std::vector<int64_t>> want_;  // each model key's global shape
+  std::map<std::string, Members> by_key_;             // key -> (param, its indices on the key's leading axes)
+  std::vector<ParamInfo> buffer_infos_;               // the expert biases: their names and sizes
+  std::vector<MegParam> buffer_params_;
+  std::map<std::string, Members> buffers_by_key_;
+  ModelBuffers buffers_;
   std::set<std::string> optimizer_keys_;  // the optimizer's tensors, each to be read or refused
   GradBuffers grad_buffers_;
   std::vector<float> weights_, m1_, m2_;

@@ -187,7 +187,35 @@ absl::StatusOr<std::unique_ptr<torchfmt::TorchArchiveReader>> DistCheckpoint::Op
   return torchfmt::TorchArchiveReader::OpenBytes(where, bytes);
 }
 
-absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& key) {
+namespace {
+
+// Which slices of `e`'s leading axis its (non-overlapping) chunks cover, each wholly or not at all.
+template <typename Bad>
+absl::Status LeadingSlices(const TensorEntry& e, const Bad& bad, std::vector<bool>* present) {
+  const int64_t slice = e.numel() / e.shape[0];
+  std::vector<int64_t> per(static_cast<size_t>(e.shape[0]), 0);
+  for (const Chunk& c : e.chunks) {
+    int64_t vol = 1;
+    for (size_t d = 1; d < c.sizes.size(); ++d) vol *= c.sizes[d];
+    for (int64_t i = c.offsets[0]; i < c.offsets[0] + c.sizes[0]; ++i) per[static_cast<size_t>(i)] += vol;
+  }
+  present->assign(per.size(), false);
+  for (size_t i = 0; i < per.size(); ++i) {
+    if (per[i] != 0 && per[i] != slice)
+      return bad(
+          fmt::format("its chunks cover {} of the {} elements of slice {} of its leading axis (a part of the "
+                      "tensor was not saved)",
+                      per[i], slice, i));
+    (*present)[i] = per[i] == slice;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& key) { return ReadFloat(key, nullptr); }
+
+absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& key, std::vector<bool>* present) {
   auto it = tensors_.find(key);
   if (it == tensors_.end()) return absl::NotFoundError(fmt::format("{}/.metadata: no tensor {}", dir_, key));
   const TensorEntry& e = it->second;
@@ -215,9 +243,12 @@ absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& 
       if (overlap) return bad(fmt::format("chunks at {} and {} overlap", Dims(o.offsets), Dims(c.offsets)));
     }
   }
-  if (covered != e.numel())
+  if (present != nullptr && nd > 0 && e.shape[0] > 0) {
+    PTK_RETURN_IF_ERROR(LeadingSlices(e, bad, present));
+  } else if (covered != e.numel()) {
     return bad(
         fmt::format("its chunks cover {} of its {} elements (a part of the tensor was not saved)", covered, e.numel()));
+  }
   std::vector<float> out(static_cast<size_t>(e.numel()));
   // Row-major strides of the global tensor.
   std::vector<int64_t> stride(nd, 1);

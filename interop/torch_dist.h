@@ -59,6 +59,11 @@ class DistCheckpoint {
   // chunk whose archive does not hold a tensor of the chunk's shape are refused naming the file, the
   // byte offset and the key.
   absl::StatusOr<std::vector<float>> ReadFloat(const std::string& key);
+  // The same, for a tensor stacked on its leading axis whose slices may be absent as whole ones (megatron-core's
+  // stacked layers when only some layers have the key: a MoE model's experts, its dense layers' MLP): `present`
+  // gets, per index of the leading axis, whether its slice was saved (an absent one reads as zeros); a slice
+  // saved in part is refused as a hole.
+  absl::StatusOr<std::vector<float>> ReadFloat(const std::string& key, std::vector<bool>* present);
   // Counts each tensor ReadFloat reads and its stored bytes (its chunks' items); nullptr: none.
   void SetProgress(ProgressReporter* progress) { progress_ = progress; }
   // The stored bytes of every tensor (their chunks' items): a progress's total.
