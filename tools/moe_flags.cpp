@@ -62,7 +62,7 @@ void AddMoeFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--moe-permute-fusion", m.permute_fusion, "Accepted: kernel fusion flag (same math)");
   app->add_option("--expert-model-parallel-size", m.expert_parallel,
                   "Expert-parallel ranks: each holds --num-experts / N experts of every MoE layer (CPU; N divides the "
-                  "data ranks)")
+                  "data x context ranks)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--expert-tensor-parallel-size", m.expert_tensor_parallel,
                   "Tensor ranks each expert is split over (default --tensor-model-parallel-size, the one value ptk "
@@ -273,7 +273,8 @@ absl::Status ResolveMoeFlags(const TrainFlags& f, GPTConfig* model, std::vector<
 
 namespace {
 // --expert-model-parallel-size N above 1: what ptk's expert parallelism covers (the CPU model's MoE layers over
-// data ranks, on each pipeline stage), every other combination refused naming both flags.
+// data × context ranks, on each pipeline stage, split over the tensor ranks), every other combination refused naming
+// both flags (tensor parallelism's own conditions: RefuseMoeTensorParallel).
 absl::Status RefuseExpertParallel(const TrainFlags& f) {
   const int64_t ep = f.moe.expert_parallel;
   if (ep == 1) return absl::OkStatus();
@@ -281,14 +282,9 @@ absl::Status RefuseExpertParallel(const TrainFlags& f) {
   if (f.moe.num_experts % ep != 0)
     return UsageError(fmt::format("--num-experts {} is not divisible by {}: each expert rank holds as many experts",
                                   f.moe.num_experts, flag));
-  auto refuse = [&](const std::string& other) {
+  if (f.options.sample.interval > 0)
     return UsageError(fmt::format(
-        "{} with {}: expert parallelism is implemented over data ranks and pipeline stages only", flag, other));
-  };
-  if (f.tensor_model_parallel_size > 1)
-    return refuse(fmt::format("--tensor-model-parallel-size {}", f.tensor_model_parallel_size));
-  if (f.context_parallel_size > 1) return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size));
-  if (f.options.sample.interval > 0) return refuse("--sample-interval");
+        "{} with --sample-interval: expert parallelism is implemented for training and evaluation only", flag));
   return absl::OkStatus();
 }
 // --tensor-model-parallel-size above 1: Megatron's checks (sequence parallelism), the experts split over the tensor

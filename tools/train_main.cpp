@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -158,9 +159,10 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
     if (cp > 1) flag += fmt::format(" x --context-parallel-size {}", cp);
     const int ep = options->expert_model_parallel_size;
     if (ep > 1) flag += fmt::format(" x --expert-model-parallel-size {}", ep);
-    return ptk::UsageError(fmt::format(
-        "{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()), tp * pp * cp * ep,
-        ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+    return ptk::UsageError(
+        fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()),
+                    tp * pp * std::lcm(cp, ep),
+                    ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
   }
   *layout = *std::move(made);
   // The settings' usage errors (exit 2) before the files' errors.

@@ -204,12 +204,12 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     st.layers = stage_layers[p];
     st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers, MoeLayersOnStage(m, StageOf(stage_layers, p, V)));
     // Expert parallelism: the rank holds num_experts / E of each MoE layer's experts (the router keeps a row per
-    // expert); ZeRO-1 shards their state over the D / E expert-data ranks (Megatron's), the rest's over D.
+    // expert); ZeRO-1 shards their state over the D·C / E expert-data ranks (Megatron's), the rest's over D·C.
     double expert_params = 0;
     if (m.moe() && o.expert > 1) {
       const int64_t moe = MoeLayersOnStage(m, StageOf(stage_layers, p, V)), local = m.num_experts / o.expert;
-      st.params -= moe * (m.num_experts - local) * m.expert_floats();
-      expert_params = static_cast<double>(moe * local * m.expert_floats());
+      st.params -= moe * (m.num_experts - local) * m.expert_floats() / T;  // each tensor rank its slices
+      expert_params = static_cast<double>(moe * local * m.expert_floats() / T);
     }
     st.in_flight = V > 1 ? std::min<int64_t>((P - p - 1) * 2 + int64_t{V - 1} * N + 1, V * plan.micro_batches)
                          : std::min<int64_t>(P - p, plan.micro_batches);
@@ -220,7 +220,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     st.optimizer = n * plan.optimizer_bytes;
     st.optimizer_zero1 = st.optimizer / (D * C);  // Megatron shards it over data × context ranks
     if (expert_params > 0)
-      st.optimizer_zero1 = ((n - expert_params) / (D * C) + expert_params / (D / o.expert)) * plan.optimizer_bytes;
+      st.optimizer_zero1 = ((n - expert_params) / (D * C) + expert_params / (D * C / o.expert)) * plan.optimizer_bytes;
     // Megatron's terms beyond the layers (theoretical_memory_usage.py), over T: the embedding's
     // input ids and dropout mask per micro-batch in flight, the output layer's input and fp32 logits.
     double extra = 0;
@@ -332,11 +332,11 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
       "(--use-distributed-optimizer) shards the optimizer state over the {} data-parallel rank{}{}",
       PrecisionName(o.precision), plan.weight_bytes, plan.gradient_bytes, plan.optimizer_bytes,
       mixed ? "fp32 master weights and Adam's two moments" : "Adam's two moments", D, D == 1 ? "" : "s",
-      C > 1                     ? fmt::format(" x {} context ranks", C)
-      : m.moe() && o.expert > 1 ? fmt::format(" (the experts' over the {} expert-data-parallel ranks; each rank holds "
-                                              "{} of the {} experts of a MoE layer)",
-                                              D / o.expert, m.num_experts / o.expert, m.num_experts)
-                                : ""));
+      fmt::format("{}{}", C > 1 ? fmt::format(" x {} context ranks", C) : "",
+                  m.moe() && o.expert > 1 ? fmt::format(" (the experts' over the {} expert-data-parallel ranks; each "
+                                                        "rank holds {} of the {} experts of a MoE layer)",
+                                                        D * C / o.expert, m.num_experts / o.expert, m.num_experts)
+                                          : "")));
   line(fmt::format(
       "activations: per layer sbh(18 + 4F/h) + 5as^2b bytes, sbh(34 + 5as/h) at F = 4h (Korthikanti et al. 2022, "
       "Table 2; {}-byte activations), split over T {}; --recompute-activations (selective) drops 5as^2b; "

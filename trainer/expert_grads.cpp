@@ -32,6 +32,7 @@ absl::StatusOr<double> ExpertParallelSum(const ParamLayout& layout, std::span<co
   double sums[2] = {0, 0};  // the rest's, the experts'
   for (const ParamInfo& p : layout.infos) {
     if (!layout.CountedInNorms(p)) continue;
+    if (layout.tensor_rank != 0 && p.tensor_split_dim < 0) continue;  // a whole tensor: tensor rank 0 counts it
     double& s = sums[p.expert ? 1 : 0];
     for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
       const double v = values[static_cast<size_t>(i)];

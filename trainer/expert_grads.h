@@ -24,7 +24,9 @@ void ExpertGradRanges(const ParamLayout& layout, std::vector<GradRange>* experts
 absl::Status ReduceExpertParallelGrads(GPTModel* model, Communicator* data);
 
 // Σ over `values` (a layout's buffer) of v² (squares) or of v == 0, the expert weights' part summed over
-// `expert` in rank order (each expert rank holds other experts), the rest counted once.
+// `expert` in rank order (each expert rank holds other experts), the rest counted once. Under tensor ranks this
+// tensor rank's part (its slices; the tensors every tensor rank holds whole on tensor rank 0), for the caller to sum
+// over the tensor group.
 absl::StatusOr<double> ExpertParallelSum(const ParamLayout& layout, std::span<const float> values, bool squares,
                                          Communicator* expert);
 

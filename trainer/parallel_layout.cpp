@@ -33,11 +33,6 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
     return UsageError(fmt::format("--pipeline-model-parallel-size must be at least 1, not {}", pipeline));
   if (context < 1) return UsageError(fmt::format("--context-parallel-size must be at least 1, not {}", context));
   if (expert < 1) return UsageError(fmt::format("--expert-model-parallel-size must be at least 1, not {}", expert));
-  if (expert > 1 && (tensor > 1 || context > 1))
-    return UsageError(fmt::format(
-        "--expert-model-parallel-size {} with --{}-parallel-size {}: expert parallelism is implemented at tensor and "
-        "context size 1",
-        expert, tensor > 1 ? "tensor-model" : "context", tensor > 1 ? tensor : context));
   const int64_t model = static_cast<int64_t>(tensor) * pipeline;
   if (world_size % model != 0)
     return UsageError(
@@ -49,11 +44,17 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
         "= {}",
         world_size, tensor, pipeline, context, model * context));
   const int data = static_cast<int>(world_size / (model * context));
-  if (data % expert != 0)
-    return UsageError(fmt::format(
-        "--expert-model-parallel-size {}: the data-parallel size {} (world size {} / pipeline size {}) is not "
-        "divisible by it",
-        expert, data, world_size, pipeline));
+  // Megatron's expert mesh (tp-ep-dp-pp, cp 1) takes its expert ranks from the data × context ranks of a stage.
+  if (data * context % expert != 0)
+    return UsageError(
+        context > 1
+            ? fmt::format("--expert-model-parallel-size {}: the data × context parallel size {} × {} (world size {} / "
+                          "tensor × pipeline size {}) is not divisible by it",
+                          expert, data, context, world_size, model)
+            : fmt::format("--expert-model-parallel-size {}: the data-parallel size {} (world size {} / pipeline size "
+                          "{}) is not "
+                          "divisible by it",
+                          expert, data, world_size, pipeline));
   return ParallelLayout(world_size, tensor, data, pipeline, context, expert);
 }
 
@@ -83,7 +84,7 @@ int64_t ParallelLayout::NumGroups(ParallelGroup kind) const {
     case ParallelGroup::kContext: return world_ / context_;
     case ParallelGroup::kDataContext: return world_ / (data_ * context_);
     case ParallelGroup::kExpert: return world_ / expert_;
-    case ParallelGroup::kExpertData: return static_cast<int64_t>(expert_) * tensor_ * context_ * pipeline_;
+    case ParallelGroup::kExpertData: return static_cast<int64_t>(expert_) * tensor_ * pipeline_;
   }
   return 0;
 }
@@ -127,16 +128,22 @@ std::vector<int> ParallelLayout::GroupAt(ParallelGroup kind, int64_t index) cons
       for (int p = 0; p < pipeline_; ++p)
         for (int t = 0; t < T; ++t) g.push_back(rank(t, i % C, i / C, p));
       break;
-    // The expert generator's (tp-ep-dp-pp, T = C = 1 when expert_ > 1): data rank d is expert rank d % E of
-    // expert-data rank d / E.
-    case ParallelGroup::kExpert: {  // index = t + T·c + T·C·(d / E) + T·C·(D / E)·p
-      const int q = i / (T * C), groups = D / expert_;
-      for (int e = 0; e < expert_; ++e) g.push_back(rank(i % T, i / T % C, q % groups * expert_ + e, q / groups));
+    // The expert generator's (tp-ep-dp-pp with cp 1, its tensor size the tensor size): the data × context ranks of a
+    // stage and tensor rank, in rank order j = c + C·d, are expert rank j % E of expert-data rank j / E.
+    case ParallelGroup::kExpert: {  // index = t + T·(j / E) + T·(C·D / E)·p
+      const int q = i / T, groups = C * D / expert_;
+      for (int e = 0; e < expert_; ++e) {
+        const int j = q % groups * expert_ + e;
+        g.push_back(rank(i % T, j % C, j / C, q / groups));
+      }
       break;
     }
-    case ParallelGroup::kExpertData: {  // index = t + T·c + T·C·(d % E) + T·C·E·p
-      const int q = i / (T * C);
-      for (int k = 0; k < D / expert_; ++k) g.push_back(rank(i % T, i / T % C, k * expert_ + q % expert_, q / expert_));
+    case ParallelGroup::kExpertData: {  // index = t + T·(j % E) + T·E·p
+      const int q = i / T;
+      for (int k = 0; k < C * D / expert_; ++k) {
+        const int j = k * expert_ + q % expert_;
+        g.push_back(rank(i % T, j % C, j / C, q / expert_));
+      }
       break;
     }
   }
@@ -157,9 +164,9 @@ std::vector<int> ParallelLayout::Group(ParallelGroup kind, int rank) const {
       return GroupAt(kind, c.tensor + T * (c.context + C * c.data));
     case ParallelGroup::kModel: return GroupAt(kind, c.context + C * c.data);
     case ParallelGroup::kExpert:
-      return GroupAt(kind, c.tensor + T * (c.context + C * (c.data / expert_ + D / expert_ * c.pipeline)));
+      return GroupAt(kind, c.tensor + T * ((c.context + C * c.data) / expert_ + C * D / expert_ * c.pipeline));
     case ParallelGroup::kExpertData:
-      return GroupAt(kind, c.tensor + T * (c.context + C * (c.data % expert_ + expert_ * c.pipeline)));
+      return GroupAt(kind, c.tensor + T * ((c.context + C * c.data) % expert_ + expert_ * c.pipeline));
   }
   return {};
 }

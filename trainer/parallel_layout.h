@@ -17,9 +17,10 @@ namespace ptk {
 // kContext: the context ranks of one (tensor, data, pipeline) place (Megatron's "cp");
 // kDataContext: data × context (Megatron's "dp-cp", the group its gradients are reduced and its
 // distributed optimizer sharded over when the context size is above 1).
-// kExpert: the expert-parallel ranks (Megatron's "ep" of its expert rank generator, tp-ep-dp-pp with cp 1: E
-// consecutive data ranks of a stage at tensor and context size 1), kExpertData: the ranks holding the same
-// experts (its expert "dp", data / E of them), over which the experts' gradients are reduced.
+// kExpert: the expert-parallel ranks (Megatron's "ep" of its expert rank generator, tp-ep-dp-pp with cp 1 and its
+// expert tensor size the tensor size: E consecutive ranks of a stage's data × context ranks of one tensor rank,
+// context fastest), kExpertData: the ranks holding the same experts (its expert "dp", data × context / E of them),
+// over which the experts' gradients are reduced.
 enum class ParallelGroup {
   kTensor,
   kData,
@@ -40,8 +41,9 @@ struct RankCoords {
 
 class ParallelLayout {
  public:
-  // world = tensor × context × data × pipeline; `expert` ranks are carved from the data ranks (it must divide
-  // them; above 1 only at tensor and context size 1). Errors are usage errors naming the sizes (Megatron's
+  // world = tensor × context × data × pipeline; `expert` ranks are carved from the data × context ranks (it must
+  // divide them; the experts split over the tensor ranks as the dense layers, Megatron's default
+  // --expert-tensor-parallel-size). Errors are usage errors naming the sizes (Megatron's
   // refusals: world not divisible by T·C·P, ...).
   static absl::StatusOr<ParallelLayout> Create(int world_size, int tensor, int pipeline, int context = 1,
                                                int expert = 1);

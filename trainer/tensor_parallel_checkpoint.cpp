@@ -20,37 +20,46 @@ PipelineStage StageOfLayout(const ParamLayout& layout) {
   return stage;
 }
 
-// Expert parallelism (one tensor rank; each pipeline stage its own expert groups): each expert rank's weights and
-// moments (its experts' and the replicated rest) gathered over its expert group, data rank 0 then holding every
-// expert rank's file of its stage (mp_rank_00[_PPP]_EEE), as Megatron's expert-data rank 0 of each expert rank
-// saves it. Under ZeRO-1 (the moments sharded by ranges, expert_shard.h) each rank's whole moments are first put
-// together from its groups' parts: the file holds every moment, as without ZeRO-1, so that any data or expert
-// size loads it.
-absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert) {
-  if (model->shard() || model->layout().tensor_size > 1)
-    return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1's one shard or tensor parallelism");
+// Expert parallelism (each pipeline stage its own expert groups): each expert rank's weights and moments (its
+// experts' and the replicated rest) gathered over its expert group, data rank 0 then holding every expert rank's
+// file of its stage and tensor rank; under tensor ranks data rank 0's of each tensor rank gathered over the tensor
+// group, tensor rank 0 holding every file of its stage (mp_rank_TT[_PPP]_EEE), as Megatron's expert-data rank 0 of
+// each expert and tensor rank saves it. Under ZeRO-1 (the moments sharded by ranges, expert_shard.h) each rank's
+// whole moments are first put together from its groups' parts: the file holds every moment, as without ZeRO-1, so
+// that any data or expert size loads it.
+absl::StatusOr<std::vector<CheckpointArrays>> GatherExperts(GPTModel* model, Communicator* data, Communicator* expert,
+                                                            Communicator* tensor) {
+  if (model->shard()) return absl::UnimplementedError("expert parallelism's checkpoint with ZeRO-1's one shard");
   const size_t n = static_cast<size_t>(model->num_params());
   const int E = expert->size(), me = expert->rank();
-  std::vector<std::vector<float>> all(3, std::vector<float>(n * static_cast<size_t>(E)));
-  const auto at = [&](size_t k, int e) {
-    return all[k].begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(e) * n);
+  const int T = tensor ? tensor->size() : 1, t = tensor ? tensor->rank() : 0;
+  // Tensor rank u's expert rank e at (u·E + e)·n, in each of the weights and the two moments.
+  std::vector<std::vector<float>> all(3, std::vector<float>(n * static_cast<size_t>(E) * static_cast<size_t>(T)));
+  const auto at = [&](size_t k, int u, int e) {
+    return all[k].begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(u) * E + e) * n);
   };
-  PTK_RETURN_IF_ERROR(model->ReadParams(std::span<float>(&*at(0, me), n)));
+  PTK_RETURN_IF_ERROR(model->ReadParams(std::span<float>(&*at(0, t, me), n)));
   if (model->ranges_sharded())
-    PTK_RETURN_IF_ERROR(
-        GatherExpertShardedMoments(model, data, std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
+    PTK_RETURN_IF_ERROR(GatherExpertShardedMoments(model, data, std::span<float>(&*at(1, t, me), n),
+                                                   std::span<float>(&*at(2, t, me), n)));
   else
-    PTK_RETURN_IF_ERROR(model->ReadMoments(std::span<float>(&*at(1, me), n), std::span<float>(&*at(2, me), n)));
+    PTK_RETURN_IF_ERROR(model->ReadMoments(std::span<float>(&*at(1, t, me), n), std::span<float>(&*at(2, t, me), n)));
   const std::vector<int64_t> bytes(static_cast<size_t>(E), static_cast<int64_t>(n * sizeof(float)));
-  for (std::vector<float>& v : all) PTK_RETURN_IF_ERROR(expert->AllGather(v.data(), bytes));
+  for (size_t k = 0; k < 3; ++k) PTK_RETURN_IF_ERROR(expert->AllGather(&*at(k, t, 0), bytes));
   std::vector<CheckpointArrays> out;
   if (data->rank() != 0) return out;
-  for (int e = 0; e < E; ++e) {
-    PTK_ASSIGN_OR_RETURN(ParamLayout layout,
-                         ParamLayout::Create(model->config(), 1, 0, StageOfLayout(model->layout()), E, e));
-    auto slice = [&](size_t k) { return std::vector<float>(at(k, e), at(k, e + 1)); };
-    out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
+  if (T > 1) {
+    const std::vector<int64_t> tensor_bytes(static_cast<size_t>(T), static_cast<int64_t>(E * n * sizeof(float)));
+    for (std::vector<float>& v : all) PTK_RETURN_IF_ERROR(tensor->AllGather(v.data(), tensor_bytes));
+    if (t != 0) return out;
   }
+  for (int e = 0; e < E; ++e)  // tensor ranks fastest, as SaveCheckpoint takes the shards
+    for (int u = 0; u < T; ++u) {
+      PTK_ASSIGN_OR_RETURN(ParamLayout layout,
+                           ParamLayout::Create(model->config(), T, u, StageOfLayout(model->layout()), E, e));
+      auto slice = [&](size_t k) { return std::vector<float>(at(k, u, e), at(k, u, e + 1)); };
+      out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
+    }
   return out;
 }
 
@@ -73,7 +82,7 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Commu
     PTK_RETURN_IF_ERROR(data->AllGather(m.data(), bytes));
     PTK_RETURN_IF_ERROR(data->AllGather(v.data(), bytes));
   }
-  if (model->expert_comm() != nullptr) return GatherExperts(model, data, model->expert_comm());
+  if (model->expert_comm() != nullptr) return GatherExperts(model, data, model->expert_comm(), tensor);
   std::vector<CheckpointArrays> out;
   if (data->rank() != 0) return out;
   if (!model->shard()) {

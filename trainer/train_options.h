@@ -189,7 +189,7 @@ struct TrainOptions {
   // group (null: one context rank), which backend.context_comm also carries to the model.
   int context_parallel_size = 1;
   Communicator* context_comm = nullptr;
-  // --expert-model-parallel-size (CPU backend, MoE): the expert-parallel ranks carved from the data ranks
+  // --expert-model-parallel-size (CPU backend, MoE): the expert-parallel ranks carved from the data x context ranks
   // (ParallelGroup::kExpert); backend.expert_comm and backend.expert_data_comm carry the groups to the model.
   int expert_model_parallel_size = 1;
   // --pipeline-model-parallel-size: the layers of each stage (PipelineStageLayers; empty: one

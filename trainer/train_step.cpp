@@ -345,8 +345,9 @@ absl::StatusOr<double> TrainStep::ExpertParallelGradSum(bool squares) {
 }
 
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {
-  if (model_->expert_comm()) {  // the stage's count, then the stages' in rank order
+  if (model_->expert_comm()) {  // the stage's count (its tensor ranks' parts), then the stages' in rank order
     PTK_ASSIGN_OR_RETURN(double zeros, ExpertParallelGradSum(/*squares=*/false));
+    if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
     if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
     return zeros;
   }
@@ -369,6 +370,7 @@ absl::StatusOr<double> TrainStep::ParamsNorm() {
     std::vector<float> all(static_cast<size_t>(model_->num_params()));
     PTK_RETURN_IF_ERROR(model_->ReadParams(all));
     PTK_ASSIGN_OR_RETURN(double sum, ExpertParallelSum(model_->layout(), all, true, model_->expert_comm()));
+    if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, model_->tensor_comm()));
     if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipeline_));  // the stages' parts
     return std::sqrt(sum);
   }

@@ -15,6 +15,12 @@ With --expert: the expert groups (tensor and context size 1) of initialize_model
 expert_decoder_rank_generator, RankGenerator(tp=1, ep=E, dp=world // (E * pipeline), pp, cp=1), its
 get_ranks('ep') and get_ranks('dp'), into tests/data/trainer/parallel_layout_expert_groups.txt; each line
 WORLD PIPELINE EXPERT KIND GROUP;GROUP;... (KIND expert or expert-data).
+
+With --expert-context: the same generator's groups where the dense layout has context or tensor ranks (megatron-core
+builds the expert mesh with cp=1 whatever --context-parallel-size is: its expert ranks come from the data x
+context ranks), into tests/data/trainer/parallel_layout_expert_context_groups.txt; each line
+WORLD TENSOR CONTEXT PIPELINE EXPERT KIND GROUP;GROUP;... (the expert tensor size the tensor size, Megatron's
+default --expert-tensor-parallel-size).
 """
 import ast
 import os
@@ -56,10 +62,29 @@ def main_expert(mg):
             print(f"{world} {pp} {ep} {kind} {text}")
 
 
+# (world, tensor, context, pipeline, expert): E dividing data x context but not always data; with tensor ranks the
+# expert tensor size is the tensor size (Megatron's default --expert-tensor-parallel-size).
+EXPERT_CONTEXT_LAYOUTS = [(2, 1, 2, 1, 2), (4, 1, 2, 1, 2), (4, 1, 2, 1, 4), (4, 1, 4, 1, 2), (8, 1, 2, 1, 4),
+                          (8, 1, 2, 2, 2), (8, 1, 4, 1, 2), (12, 1, 2, 2, 3), (16, 1, 2, 2, 4), (16, 1, 4, 2, 8),
+                          (4, 2, 1, 1, 2), (8, 2, 1, 1, 2), (8, 2, 1, 1, 4), (8, 2, 2, 1, 2), (16, 2, 2, 2, 2),
+                          (16, 2, 1, 2, 4), (24, 2, 2, 2, 3), (16, 4, 2, 1, 2)]
+
+
+def main_expert_context(mg):
+    for world, tp, cp, pp, ep in EXPERT_CONTEXT_LAYOUTS:
+        assert world % (tp * cp * pp) == 0 and (world // (tp * pp)) % ep == 0
+        gen = mg["RankGenerator"](tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        for kind, token in (("expert", "ep"), ("expert-data", "dp")):
+            text = ";".join(",".join(str(r) for r in g) for g in gen.get_ranks(token))
+            print(f"{world} {tp} {cp} {pp} {ep} {kind} {text}")
+
+
 def main():
     mg = load_megatron()
     if sys.argv[1:] == ["--expert"]:
         return main_expert(mg)
+    if sys.argv[1:] == ["--expert-context"]:
+        return main_expert_context(mg)
     for world, tp, pp in LAYOUTS:
         gen = mg["RankGenerator"](tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
         groups = {kind: gen.get_ranks(token) for kind, token in KINDS}

@@ -165,9 +165,6 @@ TEST_F(EpPipelineCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
                            " --micro-batch-size 1 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data " +
                            testing::SmallVocabFlags() + " --num-experts 4 --disable-bias-linear" + kEP + kPP;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {" --tensor-model-parallel-size 2 --sequence-parallel",
-       "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is"},
-      {" --context-parallel-size 2", "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
       {" --device cuda",
        "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},
   };

@@ -171,18 +171,16 @@ TEST_F(EpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingBothFlags) {
       {moe + "3", "usage error: --num-experts 4 is not divisible by --expert-model-parallel-size 3"},
       {moe + "0", "--expert-model-parallel-size"},
       {" --expert-model-parallel-size 2", "usage error: --expert-model-parallel-size 2 without --num-experts"},
+      // Tensor ranks need --sequence-parallel (as without expert ranks; the rest: ep_tensor_cli_test).
       {moe + "2 --tensor-model-parallel-size 2",
-       "usage error: --expert-model-parallel-size 2 with --tensor-model-parallel-size 2: expert parallelism is "
-       "implemented over data ranks and pipeline stages only"},
-      // With --pipeline-model-parallel-size: ep_pipeline_cli_test.
-      {moe + "2 --context-parallel-size 2",
-       "usage error: --expert-model-parallel-size 2 with --context-parallel-size 2"},
+       "usage error: --num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
+      // With --pipeline-model-parallel-size: ep_pipeline_cli_test; with --context-parallel-size: ep_context_cli_test.
       // --use-distributed-optimizer and --overlap-grad-reduce: ep_distopt_cli_test.
       {moe + "2 --sample-interval 1", "usage error: --expert-model-parallel-size 2 with --sample-interval"},
       {moe + "2 --device cuda",
        "usage error: --expert-model-parallel-size 2 with --device cuda: expert parallelism runs on the CPU backend"},
       {moe + "2 --dry-run --tensor-model-parallel-size 2",
-       "--expert-model-parallel-size 2 with --tensor-model-parallel-size 2"},
+       "--num-experts 4 with --tensor-model-parallel-size 2 needs --sequence-parallel"},
       // One process is one data rank: the expert ranks are carved from the data ranks.
       {moe + "2",
        "usage error: --tensor-model-parallel-size 1 x --expert-model-parallel-size 2: --expert-model-parallel-size 2: "

@@ -195,18 +195,40 @@ TEST(ParallelLayout, ExpertGroupsAreMegatronCoresExpertRankGenerator) {
     ++lines;
   }
   EXPECT_EQ(lines, 7 * 2);
-  // The expert size divides the data ranks, at tensor and context size 1 only: usage errors naming the flags.
+  // The expert size divides the data × context ranks: usage errors naming the flags.
   for (const auto& [s, want] : std::vector<std::pair<absl::Status, std::string>>{
            {ParallelLayout::Create(4, 1, 1, 1, 3).status(), "--expert-model-parallel-size 3: the data-parallel size 4"},
-           {ParallelLayout::Create(8, 2, 1, 1, 2).status(),
-            "--expert-model-parallel-size 2 with --tensor-model-parallel-size 2"},
-           {ParallelLayout::Create(8, 1, 1, 2, 2).status(),
-            "--expert-model-parallel-size 2 with --context-parallel-size 2"},
+           {ParallelLayout::Create(6, 1, 1, 2, 4).status(),
+            "--expert-model-parallel-size 4: the data × context parallel size 3 × 2"},
            {ParallelLayout::Create(8, 1, 1, 1, 0).status(),
             "--expert-model-parallel-size must be at least 1, not 0"}}) {
     EXPECT_TRUE(IsUsageError(s)) << s;
     EXPECT_NE(StatusMessage(s).find(want), std::string_view::npos) << s;
   }
+}
+
+// Expert parallelism with context and tensor ranks against megatron-core's expert rank generator
+// (gen_parallel_layout_golden.py --expert-context): the expert ranks come from the data × context ranks of a stage
+// and tensor rank, so E may exceed the data ranks (E = C, D = 1: the context ranks are the expert group); its tensor
+// size is the tensor size (Megatron's default --expert-tensor-parallel-size).
+TEST(ParallelLayout, ExpertGroupsWithContextAndTensorRanksAreMegatronCoresExpertRankGenerator) {
+  std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/parallel_layout_expert_context_groups.txt"));
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    int world = 0, tensor = 0, context = 0, pipeline = 0, expert = 0;
+    std::string kind_name, text;
+    fields >> world >> tensor >> context >> pipeline >> expert >> kind_name >> text;
+    SCOPED_TRACE(line.substr(0, 80));
+    ASSERT_TRUE(kKinds.count(kind_name));
+    auto layout = ParallelLayout::Create(world, tensor, pipeline, context, expert);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->context_size(), context);
+    ASSERT_NO_FATAL_FAILURE(ExpectGroups(*layout, kKinds.at(kind_name), text));
+    ++lines;
+  }
+  EXPECT_EQ(lines, 18 * 2);
 }
 
 TEST(ParallelLayout, CoordinatesPutTensorRanksAdjacentThenDataThenPipeline) {

@@ -93,7 +93,7 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, const
                               cpu_model_detail::At(G, lp.shared_gate), a.dtmp.data(), &a.shared[static_cast<size_t>(l)],
                               x, P + lp.shared_fc1, P + lp.shared_fc2, cpu_model_detail::At(P, lp.shared_gate), m.n,
                               cf.hidden_size, cpu_model_detail::SharedExpertSettingsOf(cf, tensor_size()));
-  if (expert_comm_ != nullptr)
+  if (expert_comm_ != nullptr && !tp())
     return cpu::ExpertParallelBackward(a.dln.data(), G + lp.router_w, G + lp.experts, a.dtmp.data(), &m,
                                        &a.moe_ep[static_cast<size_t>(l)], x, P + lp.router_w, P + lp.experts,
                                        cf.hidden_size, s, aux_grad, z_grad, expert_comm_, &a.ep_buf);
@@ -104,7 +104,13 @@ absl::Status CpuGPTModel::MoeMlpBackward(int64_t l, const LayerParams& lp, const
   }
   // Tensor ranks: each rank's experts' slice gives a partial probability gradient, summed over the group (Megatron's
   // all-gathered probabilities' backward) before the router's backward, whose input gradient goes to act_->dtmp.
-  cpu::MoeExpertsBackward(a.dln.data(), G + lp.experts, a.dtmp.data(), &m, P + lp.experts, cf.hidden_size, s);
+  // With expert ranks the slices of this rank's local experts run on the expert group's tokens (expert_parallel_cpu.h).
+  if (expert_comm_ != nullptr)
+    PTK_RETURN_IF_ERROR(cpu::ExpertParallelExpertsBackward(a.dln.data(), G + lp.experts, a.dtmp.data(), &m,
+                                                           &a.moe_ep[static_cast<size_t>(l)], P + lp.experts,
+                                                           cf.hidden_size, s, expert_comm_, &a.ep_buf));
+  else
+    cpu::MoeExpertsBackward(a.dln.data(), G + lp.experts, a.dtmp.data(), &m, P + lp.experts, cf.hidden_size, s);
   PTK_RETURN_IF_ERROR(TensorSum(m.dprob.data(), static_cast<int64_t>(m.dprob.size())));
   std::fill(a.dtmp.begin(), a.dtmp.begin() + m.n * cf.hidden_size, 0.0f);
   cpu::MoeRouterBackward(a.dtmp.data(), G + lp.router_w, &m, x_router, P + lp.router_w, cf.hidden_size, s, aux_grad,

@@ -82,6 +82,14 @@ absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local
                                     MoeActivations<float>* mine, MoeActivations<float>* rows, const float* x,
                                     const float* w_router, const float* w_local, int64_t c, const MoeSettings& s,
                                     double aux_grad, double z_grad, Communicator* expert, std::vector<float>* buf) {
+  PTK_RETURN_IF_ERROR(ExpertParallelExpertsBackward(dx, dw_local, dout, mine, rows, w_local, c, s, expert, buf));
+  MoeRouterBackward(dx, dw_router, mine, x, w_router, c, s, aux_grad, z_grad);
+  return absl::OkStatus();
+}
+
+absl::Status ExpertParallelExpertsBackward(float* dx, float* dw_local, const float* dout, MoeActivations<float>* mine,
+                                           MoeActivations<float>* rows, const float* w_local, int64_t c,
+                                           const MoeSettings& s, Communicator* expert, std::vector<float>* buf) {
   const int size = expert->size(), me = expert->rank();
   const int64_t n = mine->n, K = s.topk, N = n * size;
   // The output gradients of the group's tokens.
@@ -104,7 +112,6 @@ absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local
   const float* own = buf->data() + me * piece;
   for (int64_t i = 0; i < n * c; ++i) dx[i] += own[i];
   mine->dprob.assign(own + n * c, own + n * c + n * K);
-  MoeRouterBackward(dx, dw_router, mine, x, w_router, c, s, aux_grad, z_grad);
   return absl::OkStatus();
 }
 

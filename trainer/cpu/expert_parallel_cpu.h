@@ -27,4 +27,13 @@ absl::Status ExpertParallelBackward(float* dx, float* dw_router, float* dw_local
                                     const float* w_router, const float* w_local, int64_t c, const MoeSettings& s,
                                     double aux_grad, double z_grad, Communicator* expert, std::vector<float>* buf);
 
+// ExpertParallelBackward without the router's backward: the local experts' weight gradients into dw_local, this
+// rank's tokens' input gradients from the experts added to dx and their probability gradients in mine->dprob. Under
+// tensor ranks (each holding its slice of every local expert, `c` wide tokens of its tensor group gathered, Megatron's
+// allgather dispatcher over the tensor x expert ranks) dx and mine->dprob are this slice's parts, for the caller to
+// sum over the tensor group before the router's backward.
+absl::Status ExpertParallelExpertsBackward(float* dx, float* dw_local, const float* dout, MoeActivations<float>* mine,
+                                           MoeActivations<float>* rows, const float* w_local, int64_t c,
+                                           const MoeSettings& s, Communicator* expert, std::vector<float>* buf);
+
 }  // namespace ptk::cpu
