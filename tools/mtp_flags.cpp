@@ -68,7 +68,6 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
   if (f.moe.expert_parallel > 1)
     return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel), cpu_dp);
-  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce", cpu_dp);
   if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)", cpu_dp);
   return absl::OkStatus();
 }

@@ -7,7 +7,9 @@
 // stopped and resumed at the same size continues bit for bit (dropout on), the depths' tensors in the last stage's
 // mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01. With
 // --sequence-parallel (dense and DeepSeek-like MoE, one or two depths) likewise, and its checkpoint loads at T = 1.
+// With --overlap-grad-reduce every run gives the bits of the run without it.
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -200,6 +202,57 @@ TEST_F(MtpParallelCli, TwoPipelineStagesResumeBitForBitTheDepthsOnTheLast) {
        {"mtp.layers.0.enorm.weight", "mtp.layers.1.eh_proj.weight", "mtp.layers.1.final_layernorm.weight",
         "embedding.word_embeddings.weight", "output_layer.weight"})
     EXPECT_NE(last.find(std::string("\"") + name + "\""), std::string::npos) << name << ": " << last.substr(0, 4000);
+}
+
+// --overlap-grad-reduce (megatron's overlapped bucketed reduction): the depths' tensors lie between the decoder's
+// final norm and the output layer, in the bucket the decoder's backward completes first (the depths' backward, its
+// share of the word embeddings' included, is done by then). Over two data ranks, two data ranks of two pipeline
+// stages (ZeRO-1, tied embeddings) and two data ranks of two tensor ranks with sequence parallelism (DeepSeek-like
+// MoE), the log lines and every rank's saved weights and optimizer state are those of the run without it, bit for
+// bit (gloo sums each element in rank order, bucket by bucket or in one call alike); a stopped run resumes bit for
+// bit.
+std::string CheckpointArrays(const std::string& file) {  // magic, header length, header, arrays, SHA-256 in hex
+  const std::string bytes = testing::ReadFile(file);
+  uint64_t len = 0;
+  EXPECT_GE(bytes.size(), 16u + 64u) << file;
+  if (bytes.size() < 16 + 64) return "";
+  std::memcpy(&len, bytes.data() + 8, sizeof len);
+  EXPECT_LE(16 + len + 64, bytes.size()) << file;
+  return bytes.substr(16 + len, bytes.size() - 64 - 16 - len);
+}
+
+TEST_F(MtpParallelCli, OverlapGradReduceGivesTheBitsOfTheRunWithout) {
+  const std::string overlap = " --overlap-grad-reduce --ddp-bucket-size 3000";
+  const std::vector<std::pair<int, std::string>> cases = {
+      {2, ""},
+      {4, "--pipeline-model-parallel-size 2 --use-distributed-optimizer"},
+      {4, "--tensor-model-parallel-size 2 --sequence-parallel " + std::string(kDeepSeekLikeMoe)}};
+  for (const auto& [world, parallel] : cases) {
+    auto plain = Ranks(world, Train(parallel + " --save " + ShellQuote(dir_ / "plain")));
+    ASSERT_NE(plain.output.find(AllZero(world)), std::string::npos) << plain.output << Logs(world);
+    auto over = Ranks(world, Train(parallel + overlap + " --save " + ShellQuote(dir_ / "over")));
+    ASSERT_NE(over.output.find(AllZero(world)), std::string::npos) << over.output << Logs(world);
+    EXPECT_NE(over.output.find("--overlap-grad-reduce: "), std::string::npos) << over.output;
+    const auto a = testing::LogLinesWithoutTimes(plain.output), b = testing::LogLinesWithoutTimes(over.output);
+    ASSERT_EQ(a.size(), 6u) << plain.output;
+    EXPECT_EQ(b, a) << parallel;
+    EXPECT_NE(b[0].find(" mtp_2 loss: "), std::string::npos) << b[0];
+    int files = 0;  // every rank's model_optim_rng.ptk (and ZeRO-1's distrib_optim.ptk)
+    const std::filesystem::path from = CheckpointDir(dir_ / "plain", 6), to = CheckpointDir(dir_ / "over", 6);
+    for (const auto& e : std::filesystem::recursive_directory_iterator(from)) {
+      if (e.path().extension() != ".ptk") continue;
+      const std::filesystem::path mine = to / std::filesystem::relative(e.path(), from);
+      ASSERT_TRUE(std::filesystem::exists(mine)) << mine;
+      const std::string want = CheckpointArrays(e.path());
+      EXPECT_FALSE(want.empty()) << e.path();
+      EXPECT_TRUE(CheckpointArrays(mine) == want) << parallel << ": " << mine;
+      ++files;
+    }
+    EXPECT_GE(files, world / 2) << parallel;
+    std::filesystem::remove_all(dir_ / "plain");
+    std::filesystem::remove_all(dir_ / "over");
+  }
+  ResumesBitForBit(2, "--overlap-grad-reduce --ddp-bucket-size 3000 --use-distributed-optimizer");
 }
 
 }  // namespace

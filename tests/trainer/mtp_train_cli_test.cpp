@@ -207,7 +207,6 @@ TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk does not yet roll"},
       {mtp + " --num-experts 2 --disable-bias-linear --expert-model-parallel-size 2",
        with + "--expert-model-parallel-size 2"},
-      {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},
       {mtp + " --device cuda", with + "--device cuda"},
       {mtp + " --dry-run --bf16", with + "--device cuda"},
       {mtp + " --dry-run --context-parallel-size 2", with + "--context-parallel-size 2"},

@@ -152,6 +152,10 @@ class CpuGPTModel::MtpSwap {
   Activations* act_;
 };
 
+void CpuGPTModel::GradsReady(size_t index) {
+  if (!mtp_pass_) GPTModel::GradsReady(index);
+}
+
 absl::Status CpuGPTModel::MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
   if (cp()) return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
   PTK_RETURN_IF_ERROR(MtpForward(batch, train, seed, s));
