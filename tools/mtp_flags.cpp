@@ -65,9 +65,8 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
                   "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "
                   "exchange)");
   const std::string cpu_dp = "ptk's multi-token prediction runs on the CPU without it for now";
-  // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
-  if (f.moe.expert_parallel > 1)
-    return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel), cpu_dp);
+  // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind; with
+  // --expert-model-parallel-size its MoE layer holds this rank's experts and exchanges tokens as the decoder's.
   if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)", cpu_dp);
   return absl::OkStatus();
 }

@@ -12,7 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <regex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -253,6 +255,74 @@ TEST_F(MtpParallelCli, OverlapGradReduceGivesTheBitsOfTheRunWithout) {
     std::filesystem::remove_all(dir_ / "over");
   }
   ResumesBitForBit(2, "--overlap-grad-reduce --ddp-bucket-size 3000 --use-distributed-optimizer");
+}
+
+// Expert parallelism (megatron-core's MoE layer in the depth, its tokens exchanged over the expert group as the
+// decoder's): two expert ranks of the DeepSeek-like MoE (4 experts, shared experts, expert bias; also with ZeRO-1
+// and --overlap-grad-reduce), and two expert ranks of two pipeline stages, give the lm and mtp_K losses of two data
+// ranks with every expert within 1e-5 relative (the experts' products over the group's gathered tokens: fp32 sums in
+// another order). A stopped E = 2 run resumes bit for bit; its files mp_rank_00_000 and mp_rank_00_001 hold each
+// depth's two local experts (megatron's per-rank numbering, as the decoder's), and the checkpoint loads at E = 1 (every
+// expert) continuing as the uninterrupted E = 1 run within 1e-5.
+TEST_F(MtpParallelCli, ExpertRanksTrainAsDataRanksWithEveryExpertDo) {
+  // Over pipeline stages ptk refuses seq_aux_loss and the expert bias: softmax routing and the Switch aux loss there.
+  const std::string staged =
+      "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear "
+      "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01";
+  std::vector<std::vector<double>> want;
+  for (const auto& [world, parallel, moe] : std::vector<std::tuple<int, std::string, std::string>>{
+           {2, "--expert-model-parallel-size 2", kDeepSeekLikeMoe},
+           {2, "--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce", kDeepSeekLikeMoe},
+           {4, "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2", staged}}) {
+    auto ref = Ranks(2, Train(moe));
+    ASSERT_NE(ref.output.find(AllZero(2)), std::string::npos) << ref.output << Logs(2);
+    want = LineLosses(ref.output);
+    ASSERT_EQ(want.size(), 6u) << ref.output;
+    auto r = Ranks(world, Train(parallel + " " + moe));
+    ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+    const auto got = LineLosses(r.output);
+    ASSERT_EQ(got.size(), 6u) << r.output;
+    for (const auto& v : got) ASSERT_EQ(v.size(), 3u) << r.output;  // lm, mtp_1, mtp_2
+    const double worst = WorstRelative(got, want);
+    EXPECT_LT(worst, 1e-5) << parallel;
+    std::printf("%s: largest relative difference of the lm and mtp losses from D = 2's: %.3g\n", parallel.c_str(),
+                worst);
+    if (world != 4) continue;
+    // --dry-run's per-rank parameter lines are the run's (each stage's first data rank prints its own; the last
+    // stage's holds the depths' local experts).
+    const std::regex count(R"( > number of parameters on \(tensor, pipeline\) model parallel rank \(0, \d\): \d+)");
+    std::set<std::string> run, dry;
+    for (int rank = 0; rank < world; ++rank) {
+      const std::string log = testing::ReadFile(RankLog(rank));
+      for (auto it = std::sregex_iterator(log.begin(), log.end(), count); it != std::sregex_iterator(); ++it)
+        run.insert(it->str());
+    }
+    auto d = RunCmd("WORLD_SIZE=4 RANK=0 " + Train(parallel + " " + moe + " --dry-run"));
+    ASSERT_EQ(d.exit_code, 0) << d.output;
+    for (auto it = std::sregex_iterator(d.output.begin(), d.output.end(), count); it != std::sregex_iterator(); ++it)
+      dry.insert(it->str());
+    EXPECT_EQ(run.size(), 2u) << Logs(world);
+    EXPECT_EQ(dry, run) << d.output;
+  }
+  auto ref = Ranks(2, Train(kDeepSeekLikeMoe));  // the reference of the resumed E = 1 run below
+  want = LineLosses(ref.output);
+  ASSERT_EQ(want.size(), 6u) << ref.output;
+  const std::string dir = ResumesBitForBit(2, "--expert-model-parallel-size 2 " + std::string(kDeepSeekLikeMoe));
+  for (const char* rank : {"mp_rank_00_000", "mp_rank_00_001"}) {
+    const std::string h = Header(dir, rank);
+    for (const char* name : {"mtp.layers.1.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight",
+                             "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+                             "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"})
+      EXPECT_NE(h.find(std::string("\"") + name + "\""), std::string::npos) << rank << " " << name;
+    EXPECT_EQ(h.find("local_experts.2."), std::string::npos) << rank << ": " << h.substr(0, 4000);
+  }
+  auto one = Ranks(2, Train(std::string(kDeepSeekLikeMoe) + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_NE(one.output.find(AllZero(2)), std::string::npos) << one.output << Logs(2);
+  const auto got = LineLosses(one.output);
+  ASSERT_EQ(got.size(), 3u) << one.output;
+  const double worst = WorstRelative(got, std::vector<std::vector<double>>(want.begin() + 3, want.end()));
+  EXPECT_LT(worst, 1e-5);
+  std::printf("E=2 MTP checkpoint resumed at E=1: largest relative difference %.3g\n", worst);
 }
 
 }  // namespace

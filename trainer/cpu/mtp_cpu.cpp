@@ -124,6 +124,8 @@ ParamLayout DepthLayout(const ParamLayout& m, int64_t k) {
   d.num_params = m.num_params;
   d.tensor_size = m.tensor_size;
   d.tensor_rank = m.tensor_rank;
+  d.expert_size = m.expert_size;  // expert parallelism: the depth's MoE layer holds this rank's experts
+  d.expert_rank = m.expert_rank;
   d.first_layer = L + 1 + k;  // the dropout keys: past the decoder's layers and its embedding's key L
   d.chunk_first_layer = {L + 1 + k};
   return d;
