@@ -57,9 +57,6 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
                               f.pipeline_model_parallel_size),
                   "Megatron's last stage then gives the depths position embeddings of their own, neither initialised "
                   "nor reduced with the first stage's; use --position-embedding-type rope or none");
-  if (f.num_layers_per_virtual_pipeline_stage || f.num_virtual_stages_per_pipeline_rank)
-    return refuse("the interleaved pipeline schedule",
-                  "ptk runs the depths on the last stage of the 1F1B schedule only for now");
   if (f.context_parallel_size > 1)
     return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size),
                   "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "

@@ -135,15 +135,17 @@ ParamLayout DepthLayout(const ParamLayout& m, int64_t k) {
 // Swaps depth k's layout and activations in for one of the model's passes (and back when it ends).
 class CpuGPTModel::MtpSwap {
  public:
-  MtpSwap(CpuGPTModel* m, MtpState::Depth* d, int64_t k) : m_(m), d_(d), act_(m->act_) {
+  MtpSwap(CpuGPTModel* m, MtpState::Depth* d, int64_t k) : m_(m), d_(d), act_(m->act_), chunk_(m->chunk_) {
     m_->moe_layer_offset_ = static_cast<int64_t>(m_->layout_.layers.size()) + k;  // the depth's balance state
     std::swap(m_->layout_, d_->layout);
     m_->act_ = &d_->act;
     m_->mtp_pass_ = true;
+    m_->chunk_ = 0;  // the interleaved schedule's last model chunk runs the depths: their layout's one chunk
   }
   ~MtpSwap() {
     std::swap(m_->layout_, d_->layout);
     m_->act_ = act_;
+    m_->chunk_ = chunk_;
     m_->mtp_pass_ = false;
     m_->moe_layer_offset_ = 0;
   }
@@ -152,6 +154,7 @@ class CpuGPTModel::MtpSwap {
   CpuGPTModel* m_;
   MtpState::Depth* d_;
   Activations* act_;
+  int chunk_;
 };
 
 void CpuGPTModel::GradsReady(size_t index) {
