@@ -51,7 +51,8 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   };
   // Tensor parallelism (eh_proj column-parallel, the depth's layer a tensor-parallel layer; with sequence
   // parallelism the depths' positions split over the tensor ranks as the decoder's) and pipeline parallelism (the
-  // depths on the last stage beside a copy of the word embeddings) run.
+  // depths on the last stage beside a copy of the word embeddings; with the interleaved schedule after its last model
+  // chunk) run, and so does --overlap-grad-reduce (the depths' tensors in the decoder's first bucket).
   if (f.pipeline_model_parallel_size > 1 && f.position_embedding_type == "learned_absolute")
     return refuse(fmt::format("--pipeline-model-parallel-size {} and learned absolute position embeddings",
                               f.pipeline_model_parallel_size),
@@ -61,10 +62,11 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
     return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size),
                   "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "
                   "exchange)");
-  const std::string cpu_dp = "ptk's multi-token prediction runs on the CPU without it for now";
   // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind; with
   // --expert-model-parallel-size its MoE layer holds this rank's experts and exchanges tokens as the decoder's.
-  if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)", cpu_dp);
+  if (device != Device::kCpu)
+    return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)",
+                  "ptk's multi-token prediction runs on the CPU without it for now");
   return absl::OkStatus();
 }
 

@@ -7,7 +7,8 @@
 // stopped and resumed at the same size continues bit for bit (dropout on), the depths' tensors in the last stage's
 // mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01. With
 // --sequence-parallel (dense and DeepSeek-like MoE, one or two depths) likewise, and its checkpoint loads at T = 1.
-// With --overlap-grad-reduce every run gives the bits of the run without it.
+// With --overlap-grad-reduce every run gives the bits of the run without it; two expert ranks give two data ranks'
+// losses; the interleaved schedule (two chunks a stage) trains as one rank does.
 #include <cmath>
 #include <cstring>
 #include <filesystem>
