@@ -51,25 +51,22 @@ absl::Status RefuseMtpCombinations(const TrainFlags& f, Device device) {
   };
   // Tensor parallelism (eh_proj column-parallel, the depth's layer a tensor-parallel layer; with sequence
   // parallelism the depths' positions split over the tensor ranks as the decoder's) and pipeline parallelism (the
-  // depths on the last stage beside a copy of the word embeddings) run.
+  // depths on the last stage beside a copy of the word embeddings; with the interleaved schedule after its last model
+  // chunk) run, and so does --overlap-grad-reduce (the depths' tensors in the decoder's first bucket).
   if (f.pipeline_model_parallel_size > 1 && f.position_embedding_type == "learned_absolute")
     return refuse(fmt::format("--pipeline-model-parallel-size {} and learned absolute position embeddings",
                               f.pipeline_model_parallel_size),
                   "Megatron's last stage then gives the depths position embeddings of their own, neither initialised "
                   "nor reduced with the first stage's; use --position-embedding-type rope or none");
-  if (f.num_layers_per_virtual_pipeline_stage || f.num_virtual_stages_per_pipeline_rank)
-    return refuse("the interleaved pipeline schedule",
-                  "ptk runs the depths on the last stage of the 1F1B schedule only for now");
   if (f.context_parallel_size > 1)
     return refuse(fmt::format("--context-parallel-size {}", f.context_parallel_size),
                   "ptk does not yet roll the depths' tokens across context ranks (megatron-core's roll_tensor "
                   "exchange)");
-  const std::string cpu_dp = "ptk's multi-token prediction runs on the CPU without it for now";
-  // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind.
-  if (f.moe.expert_parallel > 1)
-    return refuse(fmt::format("--expert-model-parallel-size {}", f.moe.expert_parallel), cpu_dp);
-  if (f.options.optimizer.overlap_grad_reduce) return refuse("--overlap-grad-reduce", cpu_dp);
-  if (device != Device::kCpu) return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)", cpu_dp);
+  // --num-experts and --multi-latent-attention run: a depth's layer is the decoder's last layer's kind; with
+  // --expert-model-parallel-size its MoE layer holds this rank's experts and exchanges tokens as the decoder's.
+  if (device != Device::kCpu)
+    return refuse("--device cuda (or --bf16 / --fp16: the CUDA backend's)",
+                  "ptk's multi-token prediction runs on the CPU without it for now");
   return absl::OkStatus();
 }
 

@@ -68,6 +68,12 @@ constexpr int kMaxDryRunWorld = 1 << 20;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// The stage's layers holding experts: its MoE layers, and on the last the multi-token prediction depths when they
+// are MoE layers (the decoder's last layer's kind).
+int64_t ExpertLayersOnStage(const GPTConfig& m, const PipelineStage& stage) {
+  const bool last = stage.rank == stage.size - 1;
+  return MoeLayersOnStage(m, stage) + (last && m.moe_layer(m.num_layers - 1) ? m.mtp_num_layers : 0);
+}
 }  // namespace
 
 absl::StatusOr<DryRunCluster> DryRunClusterFromEnv(int gpus_per_node_flag) {
@@ -207,7 +213,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     // expert); ZeRO-1 shards their state over the D·C / E expert-data ranks (Megatron's), the rest's over D·C.
     double expert_params = 0;
     if (m.moe() && o.expert > 1) {
-      const int64_t moe = MoeLayersOnStage(m, StageOf(stage_layers, p, V)), local = m.num_experts / o.expert;
+      const int64_t moe = ExpertLayersOnStage(m, StageOf(stage_layers, p, V)), local = m.num_experts / o.expert;
       st.params -= moe * (m.num_experts - local) * m.expert_floats() / T;  // each tensor rank its slices
       expert_params = static_cast<double>(moe * local * m.expert_floats() / T);
     }

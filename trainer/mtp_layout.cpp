@@ -21,11 +21,6 @@ absl::Status ValidateMtpConfig(const GPTConfig& c) {
 absl::Status ValidateMtpParallelism(const GPTConfig& c, int tensor_size, int pipeline_size, int virtual_size) {
   if (c.mtp_num_layers == 0) return absl::OkStatus();
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
-  if (virtual_size > 1)
-    return bad(
-        fmt::format("mtp_num_layers with {} model chunks per pipeline stage: multi-token prediction runs "
-                    "without the interleaved schedule",
-                    virtual_size));
   if (pipeline_size > 1 && c.position_embedding == PositionEmbedding::kLearnedAbsolute)
     return bad(
         "mtp_num_layers over pipeline stages with learned absolute position embeddings: Megatron's last stage then "

@@ -11,8 +11,9 @@ namespace ptk {
 
 absl::Status ValidateMtpConfig(const GPTConfig& c);
 // The model parallelism multi-token prediction runs with: tensor ranks (eh_proj column-parallel, its rows split;
-// hidden_size a multiple of them) and pipeline stages (the depths on the last, megatron-core's default placement),
-// not the interleaved schedule's model chunks, nor learned absolute positions over stages.
+// hidden_size a multiple of them) and pipeline stages (the depths on the last, megatron-core's default placement;
+// with the interleaved schedule's model chunks after the last stage's last chunk), not learned absolute positions
+// over stages (`virtual_size` any).
 absl::Status ValidateMtpParallelism(const GPTConfig& c, int tensor_size, int pipeline_size, int virtual_size);
 
 }  // namespace ptk

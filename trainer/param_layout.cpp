@@ -217,7 +217,15 @@ absl::StatusOr<ParamLayout> CutExperts(const ParamLayout& in, int size, int rank
     s.whole_index.push_back(in.WholeInfoIndex(k));
   }
   auto move = [&](int64_t at) { return at < 0 ? -1 : moved[static_cast<size_t>(at)]; };
-  for (LayerParams& lp : s.layers) {
+  std::vector<LayerParams*> layers;  // the decoder's, then the multi-token prediction depths' (MoE or not)
+  for (LayerParams& lp : s.layers) layers.push_back(&lp);
+  for (MtpLayerParams& mp : s.mtp) {
+    layers.push_back(&mp.layer);
+    for (int64_t* f : {&mp.enorm_w, &mp.enorm_b, &mp.hnorm_w, &mp.hnorm_b, &mp.eh_proj, &mp.norm_w, &mp.norm_b})
+      *f = move(*f);
+  }
+  for (LayerParams* l : layers) {
+    LayerParams& lp = *l;
     for (int64_t* f :
          {&lp.ln1_w,        &lp.ln1_b,       &lp.qkv_w,          &lp.qkv_b,         &lp.proj_w,        &lp.proj_b,
           &lp.ln2_w,        &lp.ln2_b,       &lp.fc1_w,          &lp.fc1_b,         &lp.fc2_w,         &lp.fc2_b,
@@ -266,9 +274,6 @@ void AddMlaParams(const GPTConfig& cf, const std::string& p, float one, int64_t 
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
                                                 const PipelineStage& stage, int expert_size, int expert_rank) {
   if (expert_size != 1 || expert_rank != 0) {
-    if (config.mtp_num_layers > 0)  // CutExperts cuts the decoder's layers only
-      return absl::InvalidArgumentError(fmt::format(
-          "mtp_num_layers with {} expert ranks: multi-token prediction runs on one expert rank", expert_size));
     PTK_ASSIGN_OR_RETURN(const ParamLayout all, Create(config, tensor_size, tensor_rank, stage));
     return CutExperts(all, expert_size, expert_rank);
   }

@@ -210,12 +210,17 @@ TEST(MtpModel, OtherBackendsAndLayoutsAreRefused) {
   EXPECT_TRUE(first->mtp.empty());  // the depths on the last stage, beside a copy of the word embeddings
   ASSERT_EQ(last->mtp.size(), 1u);
   EXPECT_EQ(last->wte, last->out_w);
-  EXPECT_FALSE(ParamLayout::Create(rope, 1, 0, PipelineStage{2, 0, 0, 1, 2}).ok());  // the interleaved schedule
+  // The interleaved schedule: the depths after the last stage's last chunk (mtp_parallel_cli_test).
+  GPTConfig rope4 = rope;
+  rope4.num_layers = 4;
+  auto chunked = ParamLayout::Create(rope4, 1, 0, PipelineStage{2, 1, 1, 2, 2});
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  EXPECT_EQ(chunked->mtp.size(), 1u);
   GPTConfig moe = c;
   moe.add_bias_linear = false;
   moe.num_experts = 2;
   EXPECT_TRUE(ParamLayout::Create(moe).ok());  // MoE depths: mtp_moe_golden_test
-  EXPECT_FALSE(ParamLayout::Create(moe, 1, 0, PipelineStage{}, /*expert_size=*/2, 0).ok());
+  EXPECT_TRUE(ParamLayout::Create(moe, 1, 0, PipelineStage{}, /*expert_size=*/2, 0).ok());  // mtp_moe_golden_test
   c.mtp_num_layers = -1;
   EXPECT_FALSE(ParamLayout::Create(c).ok());
 }

@@ -254,8 +254,9 @@ INSTANTIATE_TEST_SUITE_P(Goldens, MtpMoeGolden,
                          ::testing::Values("mtp_moe", "mtp_moe_dense_last", "mtp_mla", "mtp_moe_mla",
                                            "mtp_swa_learnable", "mtp_gated_l2", "mtp_mla_swa_learnable"));
 
-// Expert parallelism (the depths' experts are not cut over expert ranks) stays refused by the library.
-TEST(MtpMoeModel, ExpertParallelismIsRefused) {
+// Expert parallelism: expert rank 1 of 2 holds the second half of every MoE layer's experts, the depths' too, under
+// their local numbers (megatron's per-rank files), each tensor's whole_index its place in the whole model.
+TEST(MtpMoeModel, ExpertRanksCutTheDepthsExpertsToo) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 16;
@@ -266,8 +267,28 @@ TEST(MtpMoeModel, ExpertParallelismIsRefused) {
   c.add_bias_linear = false;
   c.num_experts = 2;
   c.mtp_num_layers = 1;
-  ASSERT_TRUE(ParamLayout::Create(c).ok());
-  EXPECT_FALSE(ParamLayout::Create(c, 1, 0, PipelineStage{}, /*expert_size=*/2, 0).ok());
+  auto whole = ParamLayout::Create(c);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto cut = ParamLayout::Create(c, 1, 0, PipelineStage{}, /*expert_size=*/2, 1);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->num_params, whole->num_params - 3 * c.expert_floats());  // one expert of each of 3 MoE layers
+  ASSERT_EQ(cut->mtp.size(), 1u);
+  const MtpLayerParams& m = cut->mtp[0];
+  const ParamInfo* fc1 = cut->Find("mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight");
+  ASSERT_NE(fc1, nullptr);
+  EXPECT_EQ(m.layer.experts, fc1->offset);
+  EXPECT_EQ(cut->Find("mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc1.weight"), nullptr);
+  const size_t k = static_cast<size_t>(fc1 - cut->infos.data());
+  EXPECT_EQ(whole->infos[cut->whole_index[k]].name,
+            "mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc1.weight");
+  for (const int64_t at : {m.enorm_w, m.hnorm_w, m.eh_proj, m.norm_w, m.layer.ln1_w, m.layer.router_w}) {
+    ASSERT_GE(at, 0);
+    const ParamInfo* p = nullptr;
+    for (const ParamInfo& i : cut->infos)
+      if (i.offset == at) p = &i;
+    ASSERT_NE(p, nullptr) << at;
+    EXPECT_EQ(p->name.rfind("mtp.layers.0.", 0), 0u) << p->name;
+  }
 }
 
 }  // namespace

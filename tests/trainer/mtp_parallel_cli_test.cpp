@@ -7,10 +7,15 @@
 // stopped and resumed at the same size continues bit for bit (dropout on), the depths' tensors in the last stage's
 // mp_rank_00_001 (none in mp_rank_00_000) and eh_proj's rows split over mp_rank_00 and mp_rank_01. With
 // --sequence-parallel (dense and DeepSeek-like MoE, one or two depths) likewise, and its checkpoint loads at T = 1.
+// With --overlap-grad-reduce every run gives the bits of the run without it; two expert ranks give two data ranks'
+// losses; the interleaved schedule (two chunks a stage) trains as one rank does.
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <regex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -51,8 +56,8 @@ class MtpParallelCli : public testing::RanksTest {
   MtpParallelCli() : RanksTest(testing::kSmallVocabEod) {}
   // Rotary positions: over pipeline stages Megatron's depths would have position embeddings of their own (refused).
   std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+    return testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers_) +
+           " --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
            testing::SmallVocabFlags() +
            " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1 --threads 1"
@@ -101,6 +106,7 @@ class MtpParallelCli : public testing::RanksTest {
     return h.ok() ? *h : std::string();
   }
   int depths_ = 2;  // --mtp-num-layers
+  int layers_ = 2;  // --num-layers
 };
 
 TEST_F(MtpParallelCli, TwoTensorRanksTrainAsOneRankDoes) {
@@ -200,6 +206,143 @@ TEST_F(MtpParallelCli, TwoPipelineStagesResumeBitForBitTheDepthsOnTheLast) {
        {"mtp.layers.0.enorm.weight", "mtp.layers.1.eh_proj.weight", "mtp.layers.1.final_layernorm.weight",
         "embedding.word_embeddings.weight", "output_layer.weight"})
     EXPECT_NE(last.find(std::string("\"") + name + "\""), std::string::npos) << name << ": " << last.substr(0, 4000);
+}
+
+// --overlap-grad-reduce (megatron's overlapped bucketed reduction): the depths' tensors lie between the decoder's
+// final norm and the output layer, in the bucket the decoder's backward completes first (the depths' backward, its
+// share of the word embeddings' included, is done by then). Over two data ranks, two data ranks of two pipeline
+// stages (ZeRO-1, tied embeddings) and two data ranks of two tensor ranks with sequence parallelism (DeepSeek-like
+// MoE), the log lines and every rank's saved weights and optimizer state are those of the run without it, bit for
+// bit (gloo sums each element in rank order, bucket by bucket or in one call alike); a stopped run resumes bit for
+// bit.
+std::string CheckpointArrays(const std::string& file) {  // magic, header length, header, arrays, SHA-256 in hex
+  const std::string bytes = testing::ReadFile(file);
+  uint64_t len = 0;
+  EXPECT_GE(bytes.size(), 16u + 64u) << file;
+  if (bytes.size() < 16 + 64) return "";
+  std::memcpy(&len, bytes.data() + 8, sizeof len);
+  EXPECT_LE(16 + len + 64, bytes.size()) << file;
+  return bytes.substr(16 + len, bytes.size() - 64 - 16 - len);
+}
+
+TEST_F(MtpParallelCli, OverlapGradReduceGivesTheBitsOfTheRunWithout) {
+  const std::string overlap = " --overlap-grad-reduce --ddp-bucket-size 3000";
+  const std::vector<std::pair<int, std::string>> cases = {
+      {2, ""},
+      {4, "--pipeline-model-parallel-size 2 --use-distributed-optimizer"},
+      {4, "--tensor-model-parallel-size 2 --sequence-parallel " + std::string(kDeepSeekLikeMoe)}};
+  for (const auto& [world, parallel] : cases) {
+    auto plain = Ranks(world, Train(parallel + " --save " + ShellQuote(dir_ / "plain")));
+    ASSERT_NE(plain.output.find(AllZero(world)), std::string::npos) << plain.output << Logs(world);
+    auto over = Ranks(world, Train(parallel + overlap + " --save " + ShellQuote(dir_ / "over")));
+    ASSERT_NE(over.output.find(AllZero(world)), std::string::npos) << over.output << Logs(world);
+    EXPECT_NE(over.output.find("--overlap-grad-reduce: "), std::string::npos) << over.output;
+    const auto a = testing::LogLinesWithoutTimes(plain.output), b = testing::LogLinesWithoutTimes(over.output);
+    ASSERT_EQ(a.size(), 6u) << plain.output;
+    EXPECT_EQ(b, a) << parallel;
+    EXPECT_NE(b[0].find(" mtp_2 loss: "), std::string::npos) << b[0];
+    int files = 0;  // every rank's model_optim_rng.ptk (and ZeRO-1's distrib_optim.ptk)
+    const std::filesystem::path from = CheckpointDir(dir_ / "plain", 6), to = CheckpointDir(dir_ / "over", 6);
+    for (const auto& e : std::filesystem::recursive_directory_iterator(from)) {
+      if (e.path().extension() != ".ptk") continue;
+      const std::filesystem::path mine = to / std::filesystem::relative(e.path(), from);
+      ASSERT_TRUE(std::filesystem::exists(mine)) << mine;
+      const std::string want = CheckpointArrays(e.path());
+      EXPECT_FALSE(want.empty()) << e.path();
+      EXPECT_TRUE(CheckpointArrays(mine) == want) << parallel << ": " << mine;
+      ++files;
+    }
+    EXPECT_GE(files, world / 2) << parallel;
+    std::filesystem::remove_all(dir_ / "plain");
+    std::filesystem::remove_all(dir_ / "over");
+  }
+  ResumesBitForBit(2, "--overlap-grad-reduce --ddp-bucket-size 3000 --use-distributed-optimizer");
+}
+
+// Expert parallelism (megatron-core's MoE layer in the depth, its tokens exchanged over the expert group as the
+// decoder's): two expert ranks of the DeepSeek-like MoE (4 experts, shared experts, expert bias; also with ZeRO-1
+// and --overlap-grad-reduce), and two expert ranks of two pipeline stages, give the lm and mtp_K losses of two data
+// ranks with every expert within 1e-5 relative (the experts' products over the group's gathered tokens: fp32 sums in
+// another order). A stopped E = 2 run resumes bit for bit; its files mp_rank_00_000 and mp_rank_00_001 hold each
+// depth's two local experts (megatron's per-rank numbering, as the decoder's), and the checkpoint loads at E = 1 (every
+// expert) continuing as the uninterrupted E = 1 run within 1e-5.
+TEST_F(MtpParallelCli, ExpertRanksTrainAsDataRanksWithEveryExpertDo) {
+  // Over pipeline stages ptk refuses seq_aux_loss and the expert bias: softmax routing and the Switch aux loss there.
+  const std::string staged =
+      "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear "
+      "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01";
+  std::vector<std::vector<double>> want;
+  for (const auto& [world, parallel, moe] : std::vector<std::tuple<int, std::string, std::string>>{
+           {2, "--expert-model-parallel-size 2", kDeepSeekLikeMoe},
+           {2, "--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce", kDeepSeekLikeMoe},
+           {4, "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2", staged}}) {
+    auto ref = Ranks(2, Train(moe));
+    ASSERT_NE(ref.output.find(AllZero(2)), std::string::npos) << ref.output << Logs(2);
+    want = LineLosses(ref.output);
+    ASSERT_EQ(want.size(), 6u) << ref.output;
+    auto r = Ranks(world, Train(parallel + " " + moe));
+    ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+    const auto got = LineLosses(r.output);
+    ASSERT_EQ(got.size(), 6u) << r.output;
+    for (const auto& v : got) ASSERT_EQ(v.size(), 3u) << r.output;  // lm, mtp_1, mtp_2
+    const double worst = WorstRelative(got, want);
+    EXPECT_LT(worst, 1e-5) << parallel;
+    std::printf("%s: largest relative difference of the lm and mtp losses from D = 2's: %.3g\n", parallel.c_str(),
+                worst);
+    if (world != 4) continue;
+    // --dry-run's per-rank parameter lines are the run's (each stage's first data rank prints its own; the last
+    // stage's holds the depths' local experts).
+    const std::regex count(R"( > number of parameters on \(tensor, pipeline\) model parallel rank \(0, \d\): \d+)");
+    std::set<std::string> run, dry;
+    for (int rank = 0; rank < world; ++rank) {
+      const std::string log = testing::ReadFile(RankLog(rank));
+      for (auto it = std::sregex_iterator(log.begin(), log.end(), count); it != std::sregex_iterator(); ++it)
+        run.insert(it->str());
+    }
+    auto d = RunCmd("WORLD_SIZE=4 RANK=0 " + Train(parallel + " " + moe + " --dry-run"));
+    ASSERT_EQ(d.exit_code, 0) << d.output;
+    for (auto it = std::sregex_iterator(d.output.begin(), d.output.end(), count); it != std::sregex_iterator(); ++it)
+      dry.insert(it->str());
+    EXPECT_EQ(run.size(), 2u) << Logs(world);
+    EXPECT_EQ(dry, run) << d.output;
+  }
+  auto ref = Ranks(2, Train(kDeepSeekLikeMoe));  // the reference of the resumed E = 1 run below
+  want = LineLosses(ref.output);
+  ASSERT_EQ(want.size(), 6u) << ref.output;
+  const std::string dir = ResumesBitForBit(2, "--expert-model-parallel-size 2 " + std::string(kDeepSeekLikeMoe));
+  for (const char* rank : {"mp_rank_00_000", "mp_rank_00_001"}) {
+    const std::string h = Header(dir, rank);
+    for (const char* name : {"mtp.layers.1.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight",
+                             "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+                             "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"})
+      EXPECT_NE(h.find(std::string("\"") + name + "\""), std::string::npos) << rank << " " << name;
+    EXPECT_EQ(h.find("local_experts.2."), std::string::npos) << rank << ": " << h.substr(0, 4000);
+  }
+  auto one = Ranks(2, Train(std::string(kDeepSeekLikeMoe) + " --load " + ShellQuote(dir_ / "ck")));
+  ASSERT_NE(one.output.find(AllZero(2)), std::string::npos) << one.output << Logs(2);
+  const auto got = LineLosses(one.output);
+  ASSERT_EQ(got.size(), 3u) << one.output;
+  const double worst = WorstRelative(got, std::vector<std::vector<double>>(want.begin() + 3, want.end()));
+  EXPECT_LT(worst, 1e-5);
+  std::printf("E=2 MTP checkpoint resumed at E=1: largest relative difference %.3g\n", worst);
+}
+
+// The interleaved schedule (two model chunks of one layer on each of two stages): the depths run after the last
+// stage's last chunk, as megatron-core's (its last virtual stage), and train as one rank does (1e-5 relative, tied
+// and untied embeddings, dense and MoE); a stopped run resumes bit for bit.
+TEST_F(MtpParallelCli, InterleavedScheduleTrainsAsOneRankDoes) {
+  layers_ = 4;
+  const std::string vpp = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1";
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, vpp));
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(2, vpp, "--untie-embeddings-and-output-weights"));
+  ASSERT_NO_FATAL_FAILURE(
+      TrainsAsOneRank(2, vpp,
+                      "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear "
+                      "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01"));
+  ASSERT_NO_FATAL_FAILURE(TrainsAsOneRank(4, vpp + " --overlap-grad-reduce --ddp-bucket-size 3000"));
+  const std::string dir = ResumesBitForBit(2, vpp);
+  EXPECT_NE(Header(dir, "mp_rank_00_001").find("\"mtp.layers.1.eh_proj.weight\""), std::string::npos);
+  EXPECT_EQ(Header(dir, "mp_rank_00_000").find("mtp.layers."), std::string::npos);
 }
 
 }  // namespace

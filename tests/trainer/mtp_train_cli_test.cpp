@@ -201,13 +201,7 @@ TEST_F(MtpTrainCli, WhatIsNotImplementedIsRefusedInOneLineNamingIt) {
       // run with is refused.
       {mtp + " --pipeline-model-parallel-size 2",
        with + "--pipeline-model-parallel-size 2 and learned absolute position embeddings: Megatron's last stage"},
-      {mtp +
-           " --position-embedding-type rope --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
-       with + "the interleaved pipeline schedule"},
       {mtp + " --context-parallel-size 2", with + "--context-parallel-size 2: ptk does not yet roll"},
-      {mtp + " --num-experts 2 --disable-bias-linear --expert-model-parallel-size 2",
-       with + "--expert-model-parallel-size 2"},
-      {mtp + " --overlap-grad-reduce", with + "--overlap-grad-reduce"},
       {mtp + " --device cuda", with + "--device cuda"},
       {mtp + " --dry-run --bf16", with + "--device cuda"},
       {mtp + " --dry-run --context-parallel-size 2", with + "--context-parallel-size 2"},

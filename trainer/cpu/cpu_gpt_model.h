@@ -217,6 +217,10 @@ class CpuGPTModel final : public GPTModel {
   absl::Status MtpDepthInput(int64_t k, const ModelBatch& bk, double p, uint64_t seed, const float* hin);
   std::shared_ptr<MtpState> mtp_;
   bool mtp_pass_ = false;
+  // --overlap-grad-reduce: a depth's pass runs RunBackward on its own one-layer layout, whose ranges are not the
+  // model's; the depths' gradients (and their share of the word embeddings') are complete before the decoder's
+  // backward, whose GradsReady(0) (the final norm to the end: every depth's tensors) and embeddings mark them.
+  void GradsReady(size_t index);  // mtp_cpu.cpp
   const float* dlnf_extra_ = nullptr;
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);

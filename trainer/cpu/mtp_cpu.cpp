@@ -124,6 +124,8 @@ ParamLayout DepthLayout(const ParamLayout& m, int64_t k) {
   d.num_params = m.num_params;
   d.tensor_size = m.tensor_size;
   d.tensor_rank = m.tensor_rank;
+  d.expert_size = m.expert_size;  // expert parallelism: the depth's MoE layer holds this rank's experts
+  d.expert_rank = m.expert_rank;
   d.first_layer = L + 1 + k;  // the dropout keys: past the decoder's layers and its embedding's key L
   d.chunk_first_layer = {L + 1 + k};
   return d;
@@ -133,15 +135,17 @@ ParamLayout DepthLayout(const ParamLayout& m, int64_t k) {
 // Swaps depth k's layout and activations in for one of the model's passes (and back when it ends).
 class CpuGPTModel::MtpSwap {
  public:
-  MtpSwap(CpuGPTModel* m, MtpState::Depth* d, int64_t k) : m_(m), d_(d), act_(m->act_) {
+  MtpSwap(CpuGPTModel* m, MtpState::Depth* d, int64_t k) : m_(m), d_(d), act_(m->act_), chunk_(m->chunk_) {
     m_->moe_layer_offset_ = static_cast<int64_t>(m_->layout_.layers.size()) + k;  // the depth's balance state
     std::swap(m_->layout_, d_->layout);
     m_->act_ = &d_->act;
     m_->mtp_pass_ = true;
+    m_->chunk_ = 0;  // the interleaved schedule's last model chunk runs the depths: their layout's one chunk
   }
   ~MtpSwap() {
     std::swap(m_->layout_, d_->layout);
     m_->act_ = act_;
+    m_->chunk_ = chunk_;
     m_->mtp_pass_ = false;
     m_->moe_layer_offset_ = 0;
   }
@@ -150,7 +154,12 @@ class CpuGPTModel::MtpSwap {
   CpuGPTModel* m_;
   MtpState::Depth* d_;
   Activations* act_;
+  int chunk_;
 };
+
+void CpuGPTModel::GradsReady(size_t index) {
+  if (!mtp_pass_) GPTModel::GradsReady(index);
+}
 
 absl::Status CpuGPTModel::MtpForwardBackward(const ModelBatch& batch, bool train, uint64_t seed, LossSum* s) {
   if (cp()) return absl::UnimplementedError("mtp_num_layers: multi-token prediction runs on one context rank");
