@@ -399,8 +399,8 @@ TEST_F(MegatronMoe, WhatPtkCannotComputeIsRefusedNamingTheFlag) {
 }
 
 // A torch_dist checkpoint whose args mark experts (tests/data/torch_dist_llama's, its common.pt's args given
-// num_experts and the moe_* args): refused in one line naming common.pt, nothing written.
-TEST(MegatronMoeDist, ATorchDistMixtureOfExpertsIsRefusedNamingCommonPt) {
+// num_experts and the moe_* args): its dense keys refused in one line naming .metadata and the key, nothing written.
+TEST(MegatronMoeDist, ADenseTorchDistCheckpointWhoseArgsSayMoeIsRefusedNamingTheKey) {
   testing::TempDir dir;
   const std::string meg = dir / "meg";
   std::filesystem::copy(testing::SourceDir() + "/tests/data/torch_dist_llama/plain_bf16_tp1", meg,
@@ -423,10 +423,10 @@ TEST(MegatronMoeDist, ATorchDistMixtureOfExpertsIsRefusedNamingCommonPt) {
   ASSERT_TRUE(torchfmt::WriteTorchFile(common, *root, {}).ok());
   auto r = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", meg, dir / "out"));
   ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().message(),
-            common +
-                ": a mixture-of-experts model (--num-experts 4) in the torch_dist format: ptk-convert reads MoE "
-                "checkpoints in the torch format only (save with --ckpt-format torch)");
+  // torch_dist's MoE keys are read (megatron_dist_moe_test): a dense checkpoint's keys are not the MoE model's.
+  EXPECT_EQ(r.status().message(), meg +
+                                      "/iter_0000003/.metadata: tensor decoder.layers.mlp.linear_fc1.weight: not a "
+                                      "weight of the GPT model common.pt's args describe");
   EXPECT_FALSE(std::filesystem::exists(dir / "out/iter_0000003"));
 }
 
