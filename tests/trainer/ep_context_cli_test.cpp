@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/ep_cli_support.h"
 #include "tests/trainer/train_cli_support.h"
 
 namespace ptk {
@@ -27,53 +28,7 @@ using testing::ShellQuote;
 // RunGivingLosses' bound on the largest relative difference (strict): the printed losses equal.
 constexpr double kPrinted = 1e-12;
 
-class EpContextCli : public testing::RanksTest {
- protected:
-  EpContextCli() : RanksTest(testing::kSmallVocabEod) {}
-  // 2 MoE layers of 4 experts (top 2); global batch 4 of micro-batches of 1; `extra` gives the sizes.
-  std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --clip-grad 1.0 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
-           " --log-num-zeros-in-grad --log-params-norm --threads 1 --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) +
-           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01"
-           " --disable-bias-linear " +
-           extra;
-  }
-  static std::vector<double> Field(const std::string& out, const std::string& field) {
-    std::vector<double> v;
-    const std::regex re("iteration +\\d+/ +\\d+ .*\\| " + field + ": (\\S+) \\|");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.push_back(std::strtod((*it)[1].str().c_str(), nullptr));
-    return v;
-  }
-  // `got` against `want` field by field (lm loss, grad norm, load_balancing_loss, num zeros, params norm) within
-  // `tolerance` relative; prints the largest relative difference.
-  static void ExpectSameFields(const std::string& want, const std::string& got, double tolerance,
-                               const std::string& what) {
-    double worst = 0;
-    for (const char* field : {"lm loss", "grad norm", "load_balancing_loss", "num zeros", "params norm"}) {
-      const auto a = Field(want, field), b = Field(got, field);
-      EXPECT_EQ(a.size(), 6u) << what << " " << field << "\n" << want;
-      EXPECT_EQ(b.size(), a.size()) << what << " " << field << "\n" << got;
-      for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-        EXPECT_NEAR(b[i], a[i], tolerance * std::abs(a[i])) << what << " " << field << " line " << i;
-        worst = std::max(worst, std::abs(b[i] - a[i]) / std::max(1.0, std::abs(a[i])));
-      }
-    }
-    std::printf("%s: largest relative difference of the logged values %.3g\n", what.c_str(), worst);
-  }
-  // `world` ranks of `flags`, which must succeed; their output.
-  std::string Run(int world, const std::string& flags) {
-    auto r = Ranks(world, Train(flags));
-    EXPECT_NE(r.output.find(AllZero(world)), std::string::npos) << flags << "\n" << r.output << Logs(world);
-    return r.output;
-  }
-};
+class EpContextCli : public testing::EpCliTest {};
 
 // Against the same world and context size without expert ranks: C = 2 x E = 2 (world 2, the context ranks are the
 // expert group), C = 4 x E = 2 (world 4: expert groups {0, 1}, {2, 3}, the experts' gradients summed over context

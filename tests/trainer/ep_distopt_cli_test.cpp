@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/ep_cli_support.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -23,32 +24,8 @@ namespace {
 using testing::RunCmd;
 using testing::ShellQuote;
 
-class EpDistOptCli : public testing::RanksTest {
+class EpDistOptCli : public testing::EpCliTest {
  protected:
-  EpDistOptCli() : RanksTest(testing::kSmallVocabEod) {}
-  // 2 MoE layers of 4 experts (top 2); global batch 4 of micro-batches of 1.
-  std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --clip-grad 1.0 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
-           " --log-num-zeros-in-grad --log-params-norm --threads 1 --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) +
-           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01"
-           " --disable-bias-linear " +
-           extra;
-  }
-  static GPTConfig Config() {
-    GPTConfig c = testing::TinyModel(1000, 1024);
-    c.add_bias_linear = false;
-    c.gelu_exact = true;
-    c.num_experts = 4;
-    c.moe_ffn_hidden_size = 48;
-    c.moe_aux_loss_coeff = 0.01;
-    return c;
-  }
   // Expert rank e's file of DIR's iteration `it` (of E expert ranks): weights and moments.
   static testing::SavedCheckpoint File(const std::string& dir, int64_t it, int E, int e) {
     testing::SavedCheckpoint s;

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/ep_cli_support.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -23,41 +24,11 @@ namespace {
 using testing::RunCmd;
 using testing::ShellQuote;
 
-class EpTrainCli : public testing::RanksTest {
+class EpTrainCli : public testing::EpCliTest {
  protected:
-  EpTrainCli() : RanksTest(testing::kSmallVocabEod) {}
-  // 2 MoE layers of 4 experts (top 2); global batch 4 of micro-batches of 1.
-  std::string Train(const std::string& extra, int64_t iters = 6) {
-    return testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
-           " --weight-decay 0.1 --clip-grad 1.0 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
-           " --log-num-zeros-in-grad --log-params-norm"
-           " --threads 1 --data-path " +
-           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
-           std::to_string(iters) +
-           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01"
-           " --disable-bias-linear " +
-           extra;
-  }
-  // The value of `field` ("lm loss", "grad norm", "load_balancing_loss") on each log line.
-  static std::vector<double> Field(const std::string& out, const std::string& field) {
-    std::vector<double> v;
-    const std::regex re("iteration +\\d+/ +\\d+ .*\\| " + field + ": (\\S+) \\|");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.push_back(std::strtod((*it)[1].str().c_str(), nullptr));
-    return v;
-  }
   // The whole model's weights in DIR's checkpoint of `iteration`, put together from its expert ranks' files.
   static std::vector<float> Weights(const std::string& dir, int64_t iteration) {
-    GPTConfig c = testing::TinyModel(1000, 1024);
-    c.add_bias_linear = false;
-    c.gelu_exact = true;
-    c.num_experts = 4;
-    c.moe_ffn_hidden_size = 48;
-    c.moe_aux_loss_coeff = 0.01;
-    auto layout = ParamLayout::Create(c);
+    auto layout = ParamLayout::Create(Config());
     EXPECT_TRUE(layout.ok()) << layout.status();
     std::vector<float> p, m, v;
     TrainState st;
@@ -102,13 +73,7 @@ TEST_F(EpTrainCli, ExpertRanksTrainAsDataRanksWithEveryExpertDo) {
   for (const char* mp : {"mp_rank_00_000", "mp_rank_00_001"})
     EXPECT_TRUE(std::filesystem::exists(dir_ / ("ep2/iter_0000006/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
   EXPECT_FALSE(std::filesystem::exists(dir_ / "ep2/iter_0000006/mp_rank_00"));
-  GPTConfig c = testing::TinyModel(1000, 1024);
-  c.add_bias_linear = false;
-  c.gelu_exact = true;
-  c.num_experts = 4;
-  c.moe_ffn_hidden_size = 48;
-  c.moe_aux_loss_coeff = 0.01;
-  auto rank1 = ParamLayout::Create(c, 1, 0, {}, 2, 1);
+  auto rank1 = ParamLayout::Create(Config(), 1, 0, {}, 2, 1);
   ASSERT_TRUE(rank1.ok()) << rank1.status();
   std::vector<float> p, m, v;
   TrainState st;
