@@ -26,6 +26,7 @@
 #include "common/hash.h"
 #include "interop/megatron.h"
 #include "interop/torch_dist.h"
+#include "tests/interop/megatron_dist_convert.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/param_layout.h"
@@ -33,46 +34,16 @@
 namespace ptk {
 namespace {
 
+using testing::Convert;
+using testing::ConvertAndLoad;
+using testing::Converted;
+using testing::HexOf;
 using testing::ReadFile;
+using testing::Replace;
 using testing::TempDir;
 using testing::WriteFile;
 
 std::string Fixture(const std::string& name) { return testing::SourceDir() + "/tests/data/torch_dist_llama/" + name; }
-
-struct Converted {
-  ConvertSummary summary;
-  std::optional<ParamLayout> layout;
-  std::vector<float> w, m1, m2;
-  TrainState state;
-};
-
-absl::StatusOr<ConvertSummary> Convert(const std::string& load, const std::string& save) {
-  ConvertOptions o;
-  o.loader = "megatron";
-  o.saver = "ptk";
-  o.load_dir = load;
-  o.save_dir = save;
-  return ImportFromMegatron(o);
-}
-
-// `load` converted into `save` and read back.
-Converted ConvertAndLoad(const std::string& load, const std::string& save) {
-  Converted c;
-  auto s = Convert(load, save);
-  EXPECT_TRUE(s.ok()) << s.status();
-  if (!s.ok()) return c;
-  c.summary = *s;
-  auto layout = ParamLayout::Create(s->config);
-  EXPECT_TRUE(layout.ok()) << layout.status();
-  c.layout = *layout;
-  const absl::Status st = LoadCheckpoint(save, s->iteration, *c.layout, &c.w, &c.m1, &c.m2, &c.state);
-  EXPECT_TRUE(st.ok()) << st;
-  return c;
-}
-
-std::string HexOf(const float* v, int64_t n) {
-  return Sha256Hex(std::string_view(reinterpret_cast<const char*>(v), static_cast<size_t>(n) * sizeof(float)));
-}
 
 class TorchDistLlama : public ::testing::TestWithParam<std::string> {
  protected:
@@ -253,25 +224,7 @@ TEST(TorchDistLlamaTp, UseCheckpointArgsTakesThePaddedVocabularyAsMegatronDoes) 
 // holding each of `needles`, nothing written.
 void ExpectRefused(const std::string& name, const std::function<void(const std::string&)>& damage,
                    const std::vector<std::string>& needles) {
-  TempDir dir;
-  const std::string copy = dir / "ck";
-  std::filesystem::copy(Fixture(name), copy, std::filesystem::copy_options::recursive);
-  damage(copy + "/iter_0000003");
-  auto s = Convert(copy, dir / "ptk");
-  ASSERT_FALSE(s.ok()) << name;
-  const std::string msg(s.status().message());
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-  for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "no '" << n << "' in: " << msg;
-  EXPECT_FALSE(testing::Exists(dir / "ptk/latest_checkpointed_iteration.txt")) << msg;
-}
-
-void Replace(const std::string& file, const std::string& from, const std::string& to) {
-  std::string data = ReadFile(file);
-  ASSERT_EQ(from.size(), to.size());
-  size_t at = data.find(from);
-  ASSERT_NE(at, std::string::npos) << from << " not in " << file;
-  for (; at != std::string::npos; at = data.find(from, at)) data.replace(at, from.size(), to);
-  WriteFile(file, data);
+  testing::ExpectConvertRefused(Fixture(name), "iter_0000003", damage, needles);
 }
 
 // A torch_dist release checkpoint (the tracker says "release") is Megatron's iteration 0 without optimizer
