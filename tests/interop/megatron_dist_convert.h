@@ -1,14 +1,19 @@
 // What the torch_dist conversion tests share (megatron_dist_llama_test, megatron_dist_moe_test): ptk-convert
 // --loader megatron of a checkpoint directory, converted and read back; the SHA-256 of fp32 values as the
-// fixtures' generators hash them; a damaged copy of a fixture refused; a file's bytes replaced.
+// fixtures' generators hash them; every tensor against expected.json's; a damaged copy of a fixture refused; a file's
+// bytes replaced.
 #pragma once
 
+#include <simdjson.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -56,6 +61,33 @@ inline Converted ConvertAndLoad(const std::string& load, const std::string& save
 // The SHA-256 of `n` fp32 values, little-endian.
 inline std::string HexOf(const float* v, int64_t n) {
   return Sha256Hex(std::string_view(reinterpret_cast<const char*>(v), static_cast<size_t>(n) * sizeof(float)));
+}
+
+// Every tensor of `c`'s layout against `tensors` (expected.json's, of fixture `name`): its weight's and moments'
+// shapes and SHA-256; with `moments` false, the moments zero.
+inline void ExpectTensorsAsRecorded(const Converted& c, simdjson::dom::object tensors, const std::string& name,
+                                    bool moments) {
+  EXPECT_EQ(tensors.size(), c.layout->infos.size());
+  int compared = 0;
+  for (const ParamInfo& p : c.layout->infos) {
+    simdjson::dom::element e;
+    ASSERT_EQ(tensors[p.name].get(e), simdjson::SUCCESS) << p.name << " not in expected.json";
+    for (auto [which, v] : {std::pair{"weight", &c.w}, {"exp_avg", &c.m1}, {"exp_avg_sq", &c.m2}}) {
+      if (!moments && v != &c.w) {
+        EXPECT_TRUE(std::all_of(v->begin() + p.offset, v->begin() + p.offset + p.size, [](float x) { return x == 0; }));
+        ++compared;
+        continue;
+      }
+      std::vector<int64_t> shape;
+      for (int64_t d : e[which]["shape"].get_array()) shape.push_back(d);
+      EXPECT_EQ(shape, p.shape) << p.name;
+      EXPECT_EQ(HexOf(v->data() + p.offset, p.size), std::string(std::string_view(e[which]["sha256"])))
+          << name << ": " << which << " of " << p.name << " (first " << (*v)[p.offset] << ", want "
+          << double(e[which]["first"].at(0)) << ")";
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 3 * static_cast<int>(c.layout->infos.size()));
 }
 
 // A copy of the checkpoint directory `fixture` (its iteration directory `iter` passed to `damage`) converted:

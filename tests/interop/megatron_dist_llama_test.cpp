@@ -74,23 +74,7 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
   bool tied = false;  // expected.json's "tied": the output layer shares the embedding
   if (exp["tied"].get(tied) != simdjson::SUCCESS) tied = false;
   EXPECT_EQ(g.untie_embeddings_and_output_weights, !tied) << name;
-  simdjson::dom::object tensors = exp["tensors"];
-  EXPECT_EQ(tensors.size(), c.layout->infos.size());
-  int compared = 0;
-  for (const ParamInfo& p : c.layout->infos) {
-    simdjson::dom::element e;
-    ASSERT_EQ(tensors[p.name].get(e), simdjson::SUCCESS) << p.name << " not in expected.json";
-    for (auto [which, v] : {std::pair{"weight", &c.w}, {"exp_avg", &c.m1}, {"exp_avg_sq", &c.m2}}) {
-      std::vector<int64_t> shape;
-      for (int64_t d : e[which]["shape"].get_array()) shape.push_back(d);
-      EXPECT_EQ(shape, p.shape) << p.name;
-      EXPECT_EQ(HexOf(v->data() + p.offset, p.size), std::string(std::string_view(e[which]["sha256"])))
-          << name << ": " << which << " of " << p.name << " (first " << (*v)[p.offset] << ", want "
-          << double(e[which]["first"].at(0)) << ")";
-      ++compared;
-    }
-  }
-  EXPECT_EQ(compared, 3 * static_cast<int>(c.layout->infos.size()));
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectTensorsAsRecorded(c, exp["tensors"], name, true));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
